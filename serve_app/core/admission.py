@@ -1,0 +1,84 @@
+"""Admission control: turn requests away at arrival rather than let every request miss its SLO.
+
+Owns: `AdmissionController.check`. Rules, in order, each with its metric label:
+
+- `too_long`: prompt plus one output token exceeds `max_model_len` (never retryable: 400);
+- `queue_full`: `max_queue_len` requests already wait;
+- `prefill_backlog`: the prefill work ahead of the request (waiting prompts plus unfinished
+  chunks) would take longer than `target_ttft_s` to drain at the measured prefill speed while
+  the running decodes share each step. This is the queued-prefill-token cap of DESIGN.md
+  (about target TTFT x prefill throughput), computed from the fitted step model;
+- `kv_pressure`: KV usage is at `kv_reject_usage` and requests already wait for room.
+
+The retry-after estimate is the time until the rule would admit again if nothing else
+arrived: the predicted delay above the target, the queue over the service rate, or one mean
+decode span for KV. It is clamped to [min_retry_after_s, max_retry_after_s].
+
+Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serve_app.core.config import AdmissionConfig
+from serve_app.core.load import LoadEstimator
+from serve_app.core.plan import Rejection
+from serve_app.core.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class UnitState:
+    """What admission looks at, gathered by the scheduler at the moment of arrival."""
+
+    num_waiting: int
+    backlog_prefill_tokens: int
+    num_decoding: int
+    kv_usage: float
+    prefill_tokens_per_step: int
+
+
+class AdmissionController:
+    __slots__ = ("config", "max_model_len")
+
+    def __init__(self, config: AdmissionConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+
+    def check_length(self, req: Request) -> Rejection | None:
+        if req.num_prompt_tokens + 1 > self.max_model_len:
+            return Rejection(req.request_id, "too_long", 0.0,
+                             f"prompt of {req.num_prompt_tokens} tokens leaves no room to generate within "
+                             f"max_model_len={self.max_model_len}; shorten the prompt", retryable=False)
+        return None
+
+    def queueing_delay_s(self, state: UnitState, load: LoadEstimator) -> float:
+        """Predicted time before a new arrival's prefill could start."""
+        return load.service.drain_time(state.backlog_prefill_tokens, state.num_decoding,
+                                       state.prefill_tokens_per_step)
+
+    def check(self, req: Request, state: UnitState, load: LoadEstimator) -> Rejection | None:
+        cfg = self.config
+        if not cfg.enabled:
+            return None
+        if state.num_waiting >= cfg.max_queue_len:
+            capacity = max(load.capacity_rps(), 1e-9)
+            return self._reject(req, "queue_full", state.num_waiting / capacity,
+                                f"{state.num_waiting} requests are already queued (limit {cfg.max_queue_len})")
+        delay = self.queueing_delay_s(state, load)
+        if delay > cfg.target_ttft_s:
+            # Arrivals keep refilling the queue, so this is a lower bound on the real wait.
+            return self._reject(req, "prefill_backlog", delay - cfg.target_ttft_s,
+                                f"predicted queueing delay {delay:.2f}s exceeds the {cfg.target_ttft_s:.2f}s "
+                                "time-to-first-token target")
+        if state.kv_usage >= cfg.kv_reject_usage and state.num_waiting > 0:
+            svc = load.service
+            decode_span = load.output_mean * (svc.overhead_s + svc.decode_s_per_seq * max(1, state.num_decoding))
+            return self._reject(req, "kv_pressure", decode_span,
+                                f"KV cache is {state.kv_usage:.0%} full and {state.num_waiting} requests wait for room")
+        return None
+
+    def _reject(self, req: Request, reason: str, retry_after_s: float, message: str) -> Rejection:
+        cfg = self.config
+        retry = min(cfg.max_retry_after_s, max(cfg.min_retry_after_s, retry_after_s))
+        return Rejection(req.request_id, reason, retry, f"server overloaded: {message}; retry after {retry:.1f}s")

@@ -1,0 +1,182 @@
+"""Scheduler configuration: frozen, validated, no I/O.
+
+Owns: `SchedulerConfig` and its parts (`BatchingConfig`, `RegimeConfig`, `AdmissionConfig`,
+`ServicePrior`). Every error message names the value and the fix. YAML and environment
+variables are read at the edge (serve_app/config_loader.py), never here.
+
+Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MICROWAIT_HARD_CAP_S = 0.005
+"""No adaptive micro-wait ever exceeds 5 ms, whatever the config says (the seed's rule)."""
+
+BATCHING_MODES = ("none", "adaptive", "fixed", "static")
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchingConfig:
+    """When new prefills launch.
+
+    mode "none": at once. "adaptive": micro-wait `clamp(t_max*(1-load), t_min, t_max)`,
+    capped at 5 ms. "fixed": hold new prefills until the oldest has waited `fixed_wait_s`
+    or a batch is full (Triton max_queue_delay, Ray @serve.batch). "static": admit only
+    when nothing runs, once `static_batch_size` wait or the oldest waited `static_timeout_s`.
+    """
+
+    mode: str = "adaptive"
+    t_min_s: float = 0.0005
+    t_max_s: float = 0.003
+    light_load: float = 0.15
+    saturation_prompt_tokens: int = 512
+    fixed_wait_s: float = 0.010
+    static_batch_size: int = 64
+    static_timeout_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        _require(self.mode in BATCHING_MODES,
+                 f"batching.mode={self.mode!r} is unknown; use one of {BATCHING_MODES}")
+        _require(0.0 <= self.t_min_s <= self.t_max_s,
+                 f"batching.t_min_s={self.t_min_s} must be >= 0 and <= t_max_s={self.t_max_s}")
+        _require(0.0 <= self.light_load < 1.0,
+                 f"batching.light_load={self.light_load} must be in [0, 1)")
+        _require(self.saturation_prompt_tokens >= 1,
+                 f"batching.saturation_prompt_tokens={self.saturation_prompt_tokens} must be >= 1")
+        _require(0.0 <= self.fixed_wait_s <= 10.0,
+                 f"batching.fixed_wait_s={self.fixed_wait_s} must be in [0, 10] seconds")
+        _require(self.static_batch_size >= 1,
+                 f"batching.static_batch_size={self.static_batch_size} must be >= 1")
+        _require(0.0 <= self.static_timeout_s <= 60.0,
+                 f"batching.static_timeout_s={self.static_timeout_s} must be in [0, 60] seconds")
+
+
+@dataclass(frozen=True, slots=True)
+class RegimeConfig:
+    """LIGHT / STEADY / OVERLOAD thresholds, all relative to measured capacity.
+
+    `load` is utilisation (see core/load.py). OVERLOAD is entered when load >= overload_enter,
+    or the predicted queueing delay exceeds `queue_delay_overload` x target TTFT, or KV usage
+    >= kv_overload; it is left only when all three are below their exit marks. Any change of
+    regime also needs `min_dwell_s` in the current one, so noise cannot flap it.
+    """
+
+    light_enter: float = 0.15
+    light_exit: float = 0.25
+    overload_enter: float = 1.0
+    overload_exit: float = 0.85
+    queue_delay_overload: float = 1.0
+    queue_delay_exit: float = 0.5
+    kv_overload: float = 0.95
+    kv_overload_exit: float = 0.85
+    min_dwell_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        _require(0.0 <= self.light_enter <= self.light_exit,
+                 f"regime.light_enter={self.light_enter} must be >= 0 and <= light_exit={self.light_exit}")
+        _require(self.light_exit < self.overload_exit <= self.overload_enter,
+                 "regime thresholds must satisfy light_exit < overload_exit <= overload_enter; got "
+                 f"{self.light_exit}, {self.overload_exit}, {self.overload_enter}")
+        _require(0.0 < self.queue_delay_exit <= self.queue_delay_overload,
+                 f"regime.queue_delay_exit={self.queue_delay_exit} must be in (0, queue_delay_overload]")
+        _require(0.0 < self.kv_overload_exit <= self.kv_overload <= 1.0,
+                 f"regime.kv_overload_exit={self.kv_overload_exit} must be <= kv_overload={self.kv_overload} <= 1")
+        _require(self.min_dwell_s >= 0.0, f"regime.min_dwell_s={self.min_dwell_s} must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """Early rejection (HTTP 429 + Retry-After) so admitted requests keep their SLO.
+
+    With `enabled`, a request is turned away when the queue holds `max_queue_len`, when the
+    predicted queueing delay of the prefill tokens ahead of it exceeds `target_ttft_s`
+    (the queued-prefill-token cap, i.e. about target TTFT x prefill throughput), or when KV
+    usage is at `kv_reject_usage` with requests already waiting for room.
+    """
+
+    enabled: bool = True
+    max_queue_len: int = 1024
+    target_ttft_s: float = 1.0
+    kv_reject_usage: float = 0.98
+    min_retry_after_s: float = 1.0
+    max_retry_after_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _require(self.max_queue_len >= 1, f"admission.max_queue_len={self.max_queue_len} must be >= 1")
+        _require(self.target_ttft_s > 0.0, f"admission.target_ttft_s={self.target_ttft_s} must be > 0")
+        _require(0.0 < self.kv_reject_usage <= 1.0,
+                 f"admission.kv_reject_usage={self.kv_reject_usage} must be in (0, 1]")
+        _require(0.0 < self.min_retry_after_s <= self.max_retry_after_s,
+                 f"admission.min_retry_after_s={self.min_retry_after_s} must be > 0 and <= max_retry_after_s")
+
+
+@dataclass(frozen=True, slots=True)
+class ServicePrior:
+    """Starting guess of the step-time model `t = overhead + a*prefill_tokens + b*decode_seqs`.
+
+    The scheduler refines it online from measured step times (core/load.py); a good prior
+    (from the cost model or the profiler) only shortens the warm-up.
+    """
+
+    step_overhead_s: float = 0.030
+    prefill_s_per_token: float = 0.00012
+    decode_s_per_seq: float = 0.0003
+
+    def __post_init__(self) -> None:
+        _require(self.step_overhead_s > 0.0, f"service_prior.step_overhead_s={self.step_overhead_s} must be > 0")
+        _require(self.prefill_s_per_token > 0.0,
+                 f"service_prior.prefill_s_per_token={self.prefill_s_per_token} must be > 0")
+        _require(self.decode_s_per_seq >= 0.0, f"service_prior.decode_s_per_seq={self.decode_s_per_seq} must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Everything one serving unit's scheduler needs. Build presets with `core.presets`."""
+
+    policy: str = "adaptive"
+    max_batch_size: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    block_size: int = 16
+    num_kv_blocks: int = 8192
+    kv_watermark: float = 0.01
+    enable_chunked_prefill: bool = True
+    max_new_requests_per_step: int | None = None
+    cuda_graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    load_tau_s: float = 10.0
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    regime: RegimeConfig = field(default_factory=RegimeConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    service_prior: ServicePrior = field(default_factory=ServicePrior)
+
+    def __post_init__(self) -> None:
+        _require(self.max_batch_size >= 1, f"max_batch_size={self.max_batch_size} must be >= 1")
+        _require(self.max_num_batched_tokens >= self.max_batch_size,
+                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_batch_size="
+                 f"{self.max_batch_size} so every running decode fits in a step")
+        _require(self.max_model_len >= 2, f"max_model_len={self.max_model_len} must be >= 2")
+        _require(self.block_size >= 1, f"block_size={self.block_size} must be >= 1")
+        _require(self.num_kv_blocks * self.block_size >= self.max_model_len,
+                 f"num_kv_blocks={self.num_kv_blocks} x block_size={self.block_size} cannot hold one "
+                 f"request of max_model_len={self.max_model_len}; add KV memory or lower max_model_len")
+        _require(0.0 <= self.kv_watermark < 0.5, f"kv_watermark={self.kv_watermark} must be in [0, 0.5)")
+        _require(self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
+                 f"without chunked prefill max_num_batched_tokens={self.max_num_batched_tokens} must be "
+                 f">= max_model_len={self.max_model_len}, or no long prompt could ever run")
+        _require(self.max_new_requests_per_step is None or self.max_new_requests_per_step >= 1,
+                 f"max_new_requests_per_step={self.max_new_requests_per_step} must be None or >= 1")
+        buckets = self.cuda_graph_buckets
+        _require(all(b >= 1 for b in buckets) and list(buckets) == sorted(set(buckets)),
+                 f"cuda_graph_buckets={buckets} must be strictly increasing positive sizes")
+        _require(self.load_tau_s > 0.0, f"load_tau_s={self.load_tau_s} must be > 0")
+
+    @property
+    def microwait_cap_s(self) -> float:
+        return min(self.batching.t_max_s, MICROWAIT_HARD_CAP_S)

@@ -1,0 +1,156 @@
+"""Request lifecycle and per-request parameters, as plain data.
+
+Owns: `SamplingParams` (what the client asked for, carried as data: the core never samples or
+tokenizes), `Request` (one request's mutable progress through waiting -> running -> finished)
+and the status / finish-reason vocabularies shared by every driver.
+
+Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
+
+Token accounting follows one rule for prefill, chunked prefill, decode and recompute alike:
+`num_tokens` is prompt plus generated tokens, `num_computed_tokens` is how many of those have
+KV in the cache. A step schedules `min(num_tokens - num_computed_tokens, budget)` tokens; a
+token is sampled exactly when a step brings `num_computed_tokens` up to `num_tokens`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    REJECTED = "rejected"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended; the values are the OpenAI `finish_reason` strings where one exists."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Generation parameters. Validated here so every driver rejects the same bad values.
+
+    `max_tokens` counts generated tokens. `stop_token_ids` end the request with reason
+    "stop" (the tokenizer's EOS ids are added by the edge unless `ignore_eos`). Stop *strings*
+    are matched where text is detokenized (the ingress), which then aborts the request.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be at least 1")
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise ValueError(f"temperature={self.temperature} must be a finite number >= 0")
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k} must be -1 (disabled) or a positive integer")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs={self.logprobs} must be between 0 and 20")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be between 0 and max_tokens")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class Request:
+    """One request's progress. Owned by exactly one Scheduler; drivers read it, never write it.
+
+    `prompt_token_ids` may be None in simulation, where only counts matter; then the
+    generated ids are placeholders chosen by the executor. While a request decodes, its
+    `num_computed_tokens` is `num_tokens - 1` by construction and the field is refreshed only
+    when it stops decoding (the scheduler does not touch every decode every step).
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "num_prompt_tokens",
+        "sampling",
+        "arrival_s",
+        "status",
+        "num_computed_tokens",
+        "output_token_ids",
+        "finish_reason",
+        "admitted_s",
+        "first_token_s",
+        "finished_s",
+        "num_preemptions",
+        "stop_ids",
+        "max_total_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        sampling: SamplingParams,
+        arrival_s: float,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
+        if prompt_token_ids is not None and len(prompt_token_ids) != num_prompt_tokens:
+            raise ValueError(
+                f"request {request_id}: num_prompt_tokens={num_prompt_tokens} but "
+                f"{len(prompt_token_ids)} prompt token ids were given"
+            )
+        if num_prompt_tokens < 1:
+            raise ValueError(f"request {request_id}: the prompt must hold at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        self.sampling = sampling
+        self.arrival_s = arrival_s
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.output_token_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.admitted_s: float | None = None
+        self.first_token_s: float | None = None
+        self.finished_s: float | None = None
+        self.num_preemptions = 0
+        # EOS handling is resolved once here so the per-token check is one set lookup.
+        self.stop_ids: frozenset[int] = sampling.stop_token_ids
+        self.max_total_tokens = num_prompt_tokens + sampling.max_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED or self.status is RequestStatus.REJECTED
+
+    def all_token_ids(self) -> list[int] | None:
+        """Prompt plus generated ids: what a worker needs to (re)compute this request."""
+        if self.prompt_token_ids is None:
+            return None
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})"
+        )
