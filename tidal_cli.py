@@ -10,7 +10,7 @@ COMMAND_MODULES = (
     "serve_app.cli",   # bench
     "actors.cli",      # generate, fit-cost-model, profile
     "loadgen.cli",     # simulate, study, replay, compare
-    "k8s_tools.cli",   # k8s, dashboards
+    "serve_app.ops.cli",  # k8s, dashboards
 )
 
 

@@ -1,0 +1,92 @@
+"""Every metric tidalserve exports: the one source of truth for names, types, labels, buckets.
+
+serve_app/metrics.py creates `ray.util.metrics` objects from these definitions; the Grafana
+dashboards and Prometheus alert rules (serve_app/ops/) build their PromQL from them, so a name
+is never typed twice. Ray exports a metric named `tidal_x` to Prometheus as `ray_tidal_x`
+(counters gain `_total`; histograms `_bucket`, `_sum`, `_count`): `prom_name` gives that.
+
+No imports beyond the standard library: dashboards are generated without Ray installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
+                     3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.15, 0.2, 0.3,
+                 0.5, 1.0, 2.0)
+WAIT_BUCKETS_S = (0.0, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512)
+
+UNIT_TAG = "unit"
+"""Every metric carries the serving unit (router replica) it came from."""
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str
+    kind: str  # "counter" | "gauge" | "histogram"
+    description: str
+    tag_keys: tuple[str, ...] = (UNIT_TAG,)
+    boundaries: tuple[float, ...] = ()
+
+    @property
+    def prom_name(self) -> str:
+        base = f"ray_{self.name}"
+        return f"{base}_total" if self.kind == "counter" else base
+
+    @property
+    def prom_bucket(self) -> str:
+        if self.kind != "histogram":
+            raise ValueError(f"{self.name} is a {self.kind}, not a histogram")
+        return f"ray_{self.name}_bucket"
+
+
+def _h(name: str, description: str, boundaries: tuple[float, ...], tags: tuple[str, ...] = (UNIT_TAG,)) -> MetricDef:
+    return MetricDef(name, "histogram", description, tags, boundaries)
+
+
+TTFT = _h("tidal_ttft_seconds", "Time to first token: arrival at the router to first token out", LATENCY_BUCKETS_S)
+ITL = _h("tidal_inter_token_latency_seconds", "Time between consecutive output tokens of a request", ITL_BUCKETS_S)
+E2E = _h("tidal_e2e_latency_seconds", "Arrival to last token, for requests that completed", LATENCY_BUCKETS_S)
+QUEUE_TIME = _h("tidal_queue_time_seconds", "Arrival to admission into a running batch", LATENCY_BUCKETS_S)
+MICROWAIT = _h("tidal_microwait_seconds", "Wait chosen by the batching policy before a step (0 = none)",
+               WAIT_BUCKETS_S)
+BATCH_SIZE = _h("tidal_batch_size", "Sequences in an engine step", BATCH_BUCKETS)
+STEP_TIME = _h("tidal_step_device_seconds", "Device time of one engine step", ITL_BUCKETS_S)
+
+RUNNING = MetricDef("tidal_num_running", "gauge", "Requests in the running batch (prefilling or decoding)")
+WAITING = MetricDef("tidal_num_waiting", "gauge", "Requests queued for admission")
+KV_USAGE = MetricDef("tidal_kv_cache_usage", "gauge", "Fraction of KV-cache blocks in use (0..1)")
+REGIME = MetricDef("tidal_regime", "gauge", "Traffic regime: 0 light, 1 steady, 2 overload")
+LOAD = MetricDef("tidal_load", "gauge", "Utilisation estimate: arrival rate over measured capacity")
+CAPACITY = MetricDef("tidal_capacity_rps", "gauge", "Measured service capacity of the unit, requests/s")
+QUEUE_DELAY = MetricDef("tidal_predicted_queue_delay_seconds", "gauge",
+                        "Predicted queueing delay of a new arrival (prefill backlog drain time)")
+PADDING_WASTE = MetricDef("tidal_cuda_graph_padding_waste", "gauge",
+                          "Fraction of CUDA-graph batch slots that were padding, since start")
+UNITS_DESIRED = MetricDef("tidal_autoscale_desired_units", "gauge", "Units the autoscaling policy asks for",
+                          ("deployment",))
+UNITS_DEMAND = MetricDef("tidal_autoscale_demand_units", "gauge",
+                         "Raw demand in units (arrival rate over target-load capacity)", ("deployment",))
+
+DISPATCHES = MetricDef("tidal_dispatches", "counter", "Engine steps launched, by batching reason",
+                       (UNIT_TAG, "reason"))
+REJECTIONS = MetricDef("tidal_rejections", "counter", "Requests turned away by admission control, by reason",
+                       (UNIT_TAG, "reason"))
+PREEMPTIONS = MetricDef("tidal_preemptions", "counter", "Running requests preempted (recompute), by reason",
+                        (UNIT_TAG, "reason"))
+FINISHED = MetricDef("tidal_requests_finished", "counter", "Requests ended, by finish reason",
+                     (UNIT_TAG, "reason"))
+PROMPT_TOKENS = MetricDef("tidal_prompt_tokens", "counter", "Prompt tokens of admitted requests")
+GENERATION_TOKENS = MetricDef("tidal_generation_tokens", "counter", "Tokens generated")
+ARRIVALS = MetricDef("tidal_requests_arrived", "counter", "Requests that reached a router")
+ENGINE_ERRORS = MetricDef("tidal_engine_errors", "counter", "Engine failures (dead workers), by kind",
+                          (UNIT_TAG, "kind"))
+
+ALL_METRICS: tuple[MetricDef, ...] = (
+    TTFT, ITL, E2E, QUEUE_TIME, MICROWAIT, BATCH_SIZE, STEP_TIME,
+    RUNNING, WAITING, KV_USAGE, REGIME, LOAD, CAPACITY, QUEUE_DELAY, PADDING_WASTE, UNITS_DESIRED, UNITS_DEMAND,
+    DISPATCHES, REJECTIONS, PREEMPTIONS, FINISHED, PROMPT_TOKENS, GENERATION_TOKENS, ARRIVALS, ENGINE_ERRORS,
+)
