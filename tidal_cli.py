@@ -7,10 +7,12 @@ import importlib
 import sys
 
 COMMAND_MODULES = (
-    "serve_app.cli",   # bench
-    "actors.cli",      # generate, fit-cost-model, profile
-    "loadgen.cli",     # simulate, study, replay, compare
-    "serve_app.ops.cli",  # k8s, dashboards
+    "serve_app.cli",             # bench
+    "actors.cost_model_fit",     # fit-cost-model
+    "actors.generate",           # generate
+    "actors.profiler",           # profile
+    "loadgen.cli",               # simulate, study, replay, compare
+    "serve_app.ops.cli",         # k8s, dashboards
 )
 
 
