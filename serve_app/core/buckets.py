@@ -13,7 +13,7 @@ from bisect import bisect_left
 
 
 class CudaGraphBuckets:
-    __slots__ = ("sizes", "_lookup", "padded_slots", "useful_slots")
+    __slots__ = ("_lookup", "padded_slots", "sizes", "useful_slots")
 
     def __init__(self, sizes: tuple[int, ...] | list[int]) -> None:
         sizes = tuple(sizes)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 class StepBudget:
-    __slots__ = ("tokens_left", "seqs_left")
+    __slots__ = ("seqs_left", "tokens_left")
 
     def __init__(self, max_tokens: int, max_seqs: int) -> None:
         self.tokens_left = max_tokens

@@ -64,8 +64,8 @@ class RegimeConfig:
 
     `load` is utilisation (see core/load.py). OVERLOAD is entered when load >= overload_enter,
     or the predicted queueing delay exceeds `queue_delay_overload` x target TTFT, or KV usage
-    >= kv_overload; it is left only when all three are below their exit marks. Any change of
-    regime also needs `min_dwell_s` in the current one, so noise cannot flap it.
+    >= kv_overload; it is left only when all three are below their exit marks. A change is
+    taken only after the observations called for it without a break for `min_dwell_s`.
     """
 
     light_enter: float = 0.15
@@ -76,7 +76,7 @@ class RegimeConfig:
     queue_delay_exit: float = 0.5
     kv_overload: float = 0.95
     kv_overload_exit: float = 0.85
-    min_dwell_s: float = 2.0
+    min_dwell_s: float = 1.0
 
     def __post_init__(self) -> None:
         _require(0.0 <= self.light_enter <= self.light_exit,

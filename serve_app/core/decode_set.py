@@ -20,8 +20,17 @@ from serve_app.core.request import Request
 
 
 class DecodeSet:
-    __slots__ = ("block_size", "max_model_len", "reqs", "outs", "step", "context_tokens",
-                 "_phases", "_phase_of", "_due")
+    __slots__ = (
+        "_due",
+        "_phase_of",
+        "_phases",
+        "block_size",
+        "context_tokens",
+        "max_model_len",
+        "outs",
+        "reqs",
+        "step",
+    )
 
     def __init__(self, block_size: int, max_model_len: int) -> None:
         self.block_size = block_size

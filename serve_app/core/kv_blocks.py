@@ -20,7 +20,7 @@ class BlockManager:
     so running decodes can keep growing without immediate preemption.
     """
 
-    __slots__ = ("block_size", "num_blocks", "watermark_blocks", "_free", "_tables")
+    __slots__ = ("_free", "_tables", "block_size", "num_blocks", "watermark_blocks")
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -124,5 +124,6 @@ class BlockManager:
             if b in seen:
                 raise AssertionError(f"block {b} is both free and owned")
             seen.add(b)
-        if seen != set(range(self.num_blocks)) or len(self._free) + sum(map(len, self._tables.values())) != self.num_blocks:
+        owned = sum(map(len, self._tables.values()))
+        if seen != set(range(self.num_blocks)) or len(self._free) + owned != self.num_blocks:
             raise AssertionError("block accounting does not cover exactly the pool")

@@ -32,7 +32,7 @@ _D_SCALE = 100.0
 class RateEstimator:
     """Exponentially weighted event rate: each event adds 1/tau, and the sum decays with tau."""
 
-    __slots__ = ("tau_s", "_value", "_t_last")
+    __slots__ = ("_t_last", "_value", "tau_s")
 
     def __init__(self, tau_s: float) -> None:
         self.tau_s = tau_s
@@ -58,7 +58,7 @@ class ServiceModel:
     at >= 2% of the prior so the capacity estimate never collapses to zero.
     """
 
-    __slots__ = ("_theta", "_p", "_forget", "_floor", "_trace_cap", "num_observations")
+    __slots__ = ("_floor", "_forget", "_p", "_theta", "_trace_cap", "num_observations")
 
     def __init__(self, prior: ServicePrior, forget: float = 0.998) -> None:
         self._theta = [prior.step_overhead_s, prior.prefill_s_per_token * _P_SCALE,
@@ -122,14 +122,23 @@ class ServiceModel:
             return 0.0
         per_step = max(1, prefill_tokens_per_step)
         steps = -(-prefill_tokens // per_step)
-        return steps * (self.overhead_s + self.decode_s_per_seq * decode_seqs) + self.prefill_s_per_token * prefill_tokens
+        per_step_s = self.overhead_s + self.decode_s_per_seq * decode_seqs
+        return steps * per_step_s + self.prefill_s_per_token * prefill_tokens
 
 
 class LoadEstimator:
     """Arrival rate, mean request shape and the fitted service model -> `load` (see module doc)."""
 
-    __slots__ = ("arrivals", "service", "_prompt_mean", "_output_mean", "_have_finished",
-                 "_max_batch", "_kv_tokens", "_num_arrivals")
+    __slots__ = (
+        "_have_finished",
+        "_kv_tokens",
+        "_max_batch",
+        "_num_arrivals",
+        "_output_mean",
+        "_prompt_mean",
+        "arrivals",
+        "service",
+    )
 
     def __init__(self, tau_s: float, prior: ServicePrior, max_batch_size: int, kv_tokens: int) -> None:
         self.arrivals = RateEstimator(tau_s)

@@ -14,7 +14,6 @@ Executors keep per-request state from those and apply the diffs of later plans.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 from serve_app.core.request import Request, SamplingParams
 
@@ -107,7 +106,7 @@ class Idle:
     """Nothing to do until a request arrives."""
 
 
-Decision = Union[Run, WaitUntil, Idle]
+Decision = Run | WaitUntil | Idle
 
 
 @dataclass(slots=True)

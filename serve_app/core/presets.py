@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from serve_app.core.config import AdmissionConfig, BatchingConfig, SchedulerConfig
+from serve_app.core.config import AdmissionConfig, SchedulerConfig
 
 _NO_ADMISSION = AdmissionConfig(enabled=False)
 
 PRESET_DESCRIPTIONS: dict[str, str] = {
     "eager": "no wait; each new request launched on its own (one new prefill per step); no admission control",
-    "fixed-wait": "new prefills held a fixed 10 ms (Ray @serve.batch default) unless a batch fills; no admission control",
+    "fixed-wait": "new prefills held a fixed 10 ms (Ray @serve.batch default) unless a batch fills; "
+                  "no admission control",
     "continuous": "vLLM-like: no wait, decode-first, chunked prefill, unbounded queue, no admission control",
     "static": "classic static batching: wait for a full batch or a timeout, run it to completion, no joining",
     "adaptive": "micro-wait by load + regimes + admission control + chunked prefill + CUDA-graph buckets",

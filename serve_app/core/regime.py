@@ -3,8 +3,8 @@
 Owns: `Regime` and `RegimeDetector`. Inputs are the observations of core/load.py (load =
 utilisation), the predicted queueing delay relative to the target TTFT, and KV usage. Every
 threshold is relative (to capacity, to the SLO, to the KV pool), so one config serves a CPU
-box and an 8xA100 unit. Enter and exit marks differ, and a regime is held at least
-`min_dwell_s` before any change, so stationary noise does not flap it.
+box and an 8xA100 unit. Enter and exit marks differ, and a new regime must be called for
+without a break for `min_dwell_s` before it is taken, so stationary noise does not flap it.
 
 What a regime changes: LIGHT launches at once (no micro-wait); STEADY applies the adaptive
 micro-wait; OVERLOAD launches at once (the queue batches by itself) and is the signal for
@@ -21,7 +21,7 @@ import enum
 from serve_app.core.config import RegimeConfig
 
 
-class Regime(str, enum.Enum):
+class Regime(enum.StrEnum):
     LIGHT = "light"
     STEADY = "steady"
     OVERLOAD = "overload"
@@ -31,13 +31,15 @@ REGIME_LEVEL = {Regime.LIGHT: 0, Regime.STEADY: 1, Regime.OVERLOAD: 2}
 
 
 class RegimeDetector:
-    __slots__ = ("config", "regime", "since_s", "num_transitions")
+    __slots__ = ("_pending", "_pending_since", "config", "num_transitions", "regime", "since_s")
 
     def __init__(self, config: RegimeConfig, now: float = 0.0) -> None:
         self.config = config
         self.regime = Regime.LIGHT
         self.since_s = now
         self.num_transitions = 0
+        self._pending: Regime | None = None
+        self._pending_since = now
 
     def target(self, load: float, queue_delay_ratio: float, kv_usage: float) -> Regime:
         """The regime the observations call for, given the current one (hysteresis)."""
@@ -57,8 +59,12 @@ class RegimeDetector:
 
     def update(self, now: float, load: float, queue_delay_ratio: float, kv_usage: float) -> Regime:
         want = self.target(load, queue_delay_ratio, kv_usage)
-        if want is not self.regime and now - self.since_s >= self.config.min_dwell_s:
-            self.regime = want
-            self.since_s = now
+        if want is self.regime:
+            self._pending = None
+        elif want is not self._pending:
+            self._pending, self._pending_since = want, now
+        if self._pending is not None and now - self._pending_since >= self.config.min_dwell_s:
+            self.regime, self.since_s = self._pending, now
+            self._pending = None
             self.num_transitions += 1
         return self.regime

@@ -26,7 +26,7 @@ class RequestStatus(enum.Enum):
     REJECTED = "rejected"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a request ended; the values are the OpenAI `finish_reason` strings where one exists."""
 
     STOP = "stop"
@@ -82,21 +82,21 @@ class Request:
     """
 
     __slots__ = (
-        "request_id",
-        "prompt_token_ids",
-        "num_prompt_tokens",
-        "sampling",
-        "arrival_s",
-        "status",
-        "num_computed_tokens",
-        "output_token_ids",
-        "finish_reason",
         "admitted_s",
-        "first_token_s",
+        "arrival_s",
+        "finish_reason",
         "finished_s",
-        "num_preemptions",
-        "stop_ids",
+        "first_token_s",
         "max_total_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "output_token_ids",
+        "prompt_token_ids",
+        "request_id",
+        "sampling",
+        "status",
+        "stop_ids",
     )
 
     def __init__(

@@ -24,8 +24,8 @@ import math
 from collections import Counter, deque
 
 from serve_app.core.admission import AdmissionController, UnitState
-from serve_app.core.budget import StepBudget
 from serve_app.core.buckets import CudaGraphBuckets
+from serve_app.core.budget import StepBudget
 from serve_app.core.config import SchedulerConfig
 from serve_app.core.decode_set import DecodeSet
 from serve_app.core.kv_blocks import NO_NEW_BLOCK, BlockManager
@@ -422,16 +422,19 @@ class Scheduler:
             raise AssertionError("waiting, prefilling and decoding do not partition the live requests")
         blocks = self.blocks
         for req in self.waiting:
-            if req.status is not RequestStatus.WAITING or req.num_computed_tokens or blocks.num_blocks_of(req.request_id):
+            held = blocks.num_blocks_of(req.request_id)
+            if req.status is not RequestStatus.WAITING or req.num_computed_tokens or held:
                 raise AssertionError(f"waiting {req} is not pristine")
         for req in self.prefilling.values():
-            if req.status is not RequestStatus.RUNNING or blocks.num_blocks_of(req.request_id) != blocks.blocks_for(req.num_tokens):
+            held = blocks.num_blocks_of(req.request_id)
+            if req.status is not RequestStatus.RUNNING or held != blocks.blocks_for(req.num_tokens):
                 raise AssertionError(f"prefilling {req} does not hold exactly its prompt's blocks")
             if not 0 <= req.num_computed_tokens < req.num_tokens:
                 raise AssertionError(f"prefilling {req} has an impossible computed count")
         for req in self.decodes.reqs.values():
             held = blocks.num_blocks_of(req.request_id)
-            if req.status is not RequestStatus.RUNNING or not blocks.blocks_for(req.num_tokens - 1) <= held <= blocks.blocks_for(req.num_tokens):
+            fits = blocks.blocks_for(req.num_tokens - 1) <= held <= blocks.blocks_for(req.num_tokens)
+            if req.status is not RequestStatus.RUNNING or not fits:
                 raise AssertionError(f"decoding {req} holds {held} blocks for {req.num_tokens} tokens")
             if len(req.output_token_ids) >= self.decodes.length_limit(req):
                 raise AssertionError(f"{req} is past its length limit but still decodes")

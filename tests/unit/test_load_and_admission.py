@@ -1,0 +1,104 @@
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from serve_app.core import AdmissionConfig, Request, SamplingParams, Scheduler, SchedulerConfig, ServicePrior, preset
+from serve_app.core.load import LoadEstimator, RateEstimator, ServiceModel
+
+
+def test_rate_estimator_tracks_a_poisson_rate() -> None:
+    rng = random.Random(1)
+    est = RateEstimator(tau_s=20.0)
+    t = 0.0
+    while t < 200.0:
+        t += rng.expovariate(5.0)
+        est.on_event(t)
+    assert est.rate(t) == pytest.approx(5.0, rel=0.25)
+    assert est.rate(t + 100.0) < 0.05 * est.rate(t)  # decays when traffic stops
+
+
+def test_service_model_learns_true_coefficients_from_steps() -> None:
+    true = (0.020, 0.0002, 0.0005)  # overhead, per prefill token, per decode seq
+    model = ServiceModel(ServicePrior(step_overhead_s=0.05, prefill_s_per_token=0.001, decode_s_per_seq=0.001))
+    rng = random.Random(3)
+    for _ in range(3000):
+        p = rng.choice([0, 0, rng.randint(1, 2048)])
+        d = rng.randint(0, 128)
+        t = true[0] + true[1] * p + true[2] * d
+        model.observe(p, d, t * rng.uniform(0.97, 1.03))
+    assert model.overhead_s == pytest.approx(true[0], rel=0.15)
+    assert model.prefill_s_per_token == pytest.approx(true[1], rel=0.15)
+    assert model.decode_s_per_seq == pytest.approx(true[2], rel=0.25)
+
+
+def test_service_model_survives_degenerate_input() -> None:
+    """Only one step shape for a long time (all decodes at one batch): no wind-up, no negatives."""
+    model = ServiceModel(ServicePrior())
+    for _ in range(50_000):
+        model.observe(0, 32, 0.04)
+    assert model.step_time(0, 32) == pytest.approx(0.04, rel=0.02)
+    assert model.prefill_s_per_token > 0 and model.decode_s_per_seq >= 0 and model.overhead_s > 0
+    model.observe(0, 0, float("nan"))
+    assert math.isfinite(model.step_time(100, 10))
+
+
+def test_load_is_arrival_rate_over_capacity() -> None:
+    est = LoadEstimator(tau_s=10.0, prior=ServicePrior(0.03, 0.0001, 0.0005), max_batch_size=32, kv_tokens=10**6)
+    for i in range(2000):
+        est.on_arrival(i * 0.1, 500, 100)  # 10 req/s for 200 s
+    for _ in range(50):
+        est.on_finish(100)
+    cap = est.capacity_rps()
+    per_req = 500 * 0.0001 + 100 * (0.03 + 0.0005 * 32) / 32
+    assert cap == pytest.approx(1 / per_req, rel=1e-6)
+    assert est.load(199.9) == pytest.approx(10.0 / cap, rel=0.05)
+
+
+def _loaded_scheduler(**admission: object) -> Scheduler:
+    cfg = preset("adaptive", SchedulerConfig(max_batch_size=8, max_num_batched_tokens=512, num_kv_blocks=64,
+                                             block_size=16, max_model_len=1024,
+                                             service_prior=ServicePrior(0.05, 0.001, 0.001)),
+                 admission=AdmissionConfig(**admission))  # type: ignore[arg-type]
+    return Scheduler(cfg)
+
+
+def test_queue_cap_rejects_with_retry_after() -> None:
+    s = _loaded_scheduler(max_queue_len=3, target_ttft_s=100.0)
+    results = [s.add_request(Request(f"r{i}", 10, SamplingParams(), 0.0), 0.0) for i in range(5)]
+    assert results[:3] == [None, None, None]
+    rej = results[3]
+    assert rej is not None and rej.reason == "queue_full" and rej.retryable
+    assert s.config.admission.min_retry_after_s <= rej.retry_after_s <= s.config.admission.max_retry_after_s
+    assert "queued" in rej.message and s.stats.rejected["queue_full"] == 2
+
+
+def test_prefill_backlog_cap_is_target_ttft_times_prefill_speed() -> None:
+    # 1 ms per prefill token + 50 ms per step of 512 tokens: a 1 s target admits ~ 900 queued tokens.
+    s = _loaded_scheduler(target_ttft_s=1.0, max_queue_len=1000)
+    admitted = 0
+    for i in range(100):
+        if s.add_request(Request(f"r{i}", 100, SamplingParams(), 0.0), 0.0) is None:
+            admitted += 1
+    assert 8 <= admitted <= 10
+    rej = s.add_request(Request("late", 100, SamplingParams(), 0.0), 0.0)
+    assert rej is not None and rej.reason == "prefill_backlog"
+    # A single huge prompt on an idle unit is admitted even if its own prefill exceeds the target.
+    idle = _loaded_scheduler(target_ttft_s=0.1)
+    assert idle.add_request(Request("big", 1000, SamplingParams(), 0.0), 0.0) is None
+
+
+def test_kv_pressure_rejects_only_when_requests_wait_for_room() -> None:
+    s = _loaded_scheduler(target_ttft_s=1e6, kv_reject_usage=0.5)
+    s.blocks.try_allocate("hog", 40 * 16)  # 62.5% of the pool
+    assert s.add_request(Request("a", 10, SamplingParams(), 0.0), 0.0) is None  # nobody waits yet
+    rej = s.add_request(Request("b", 10, SamplingParams(), 0.0), 0.0)
+    assert rej is not None and rej.reason == "kv_pressure"
+
+
+def test_baselines_never_reject_for_load() -> None:
+    for name in ("eager", "fixed-wait", "continuous", "static"):
+        s = Scheduler(preset(name, SchedulerConfig(max_model_len=64, num_kv_blocks=8, block_size=16)))
+        assert all(s.add_request(Request(f"r{i}", 60, SamplingParams(), 0.0), 0.0) is None for i in range(500))

@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from serve_app.core import AutoscaleConfig, AutoscaleObservation, AutoscaleState, UnitLoad, choose_unit, decide
+
+
+def unit(uid: str, delay: float = 0.0, kv: float = 0.1, healthy: bool = True, load: float = 0.5,
+         cap: float = 10.0, regime: str = "steady") -> UnitLoad:
+    return UnitLoad(uid, 4, 0, delay, kv, load, cap, regime, healthy)
+
+
+def test_least_delay_with_two_units_and_none_when_all_down() -> None:
+    rng = random.Random(0)
+    assert choose_unit([unit("a", 0.5), unit("b", 0.1)], rng) == "b"
+    assert choose_unit([unit("a", 0.0, kv=0.99), unit("b", 0.3)], rng) == "b"  # KV nearly full
+    assert choose_unit([unit("a", healthy=False), unit("b", 9.0)], rng) == "b"
+    assert choose_unit([unit("a", healthy=False)], rng) is None
+
+
+def test_power_of_two_avoids_the_worst_and_spreads() -> None:
+    rng = random.Random(0)
+    units = [unit("busy", 5.0)] + [unit(f"u{i}", 0.01 * i) for i in range(5)]
+    picks = Counter(choose_unit(units, rng) for _ in range(2000))
+    assert picks["busy"] == 0
+    assert len(picks) >= 4  # not herded onto a single unit
+
+
+def test_autoscale_up_after_delay_down_slowly_and_bounded() -> None:
+    cfg = AutoscaleConfig(min_units=1, max_units=4, target_load=0.5, smoothing=1.0, upscale_delay_s=10,
+                          downscale_delay_s=60)
+    state = AutoscaleState()
+    hot = [unit("a", load=1.5, cap=10.0)]  # 15 rps on one unit at 5 rps target -> 3 units
+    n, state = decide(AutoscaleObservation(0.0, 1, hot), state, cfg)
+    assert n == 1
+    n, state = decide(AutoscaleObservation(10.0, 1, hot), state, cfg)
+    assert n == 3
+    cold = [unit(u, load=0.05) for u in "abc"]
+    for t in (20.0, 50.0):
+        n, state = decide(AutoscaleObservation(t, 3, cold), state, cfg)
+        assert n == 3
+    n, state = decide(AutoscaleObservation(80.0, 3, cold), state, cfg)
+    assert n == 2  # one at a time
+    n, _ = decide(AutoscaleObservation(100.0, 9, cold), AutoscaleState.from_dict(state.to_dict()), cfg)
+    assert n <= 4
+
+
+def test_overload_adds_a_unit_even_if_rate_reads_low() -> None:
+    cfg = AutoscaleConfig(upscale_delay_s=0, smoothing=1.0)
+    n, _ = decide(AutoscaleObservation(0.0, 2, [unit("a", load=0.2, regime="overload"), unit("b", load=0.2)]),
+                  AutoscaleState(), cfg)
+    assert n == 3
+
+
+def test_autoscale_config_validation() -> None:
+    with pytest.raises(ValueError, match="min_units"):
+        AutoscaleConfig(min_units=4, max_units=2)
