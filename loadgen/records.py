@@ -75,6 +75,15 @@ class Trace:
 
     __slots__ = ("_arrival", "_input", "_output", "duration_s", "name", "offset_s", "prompts", "request_ids",
                  "source")
+    _arrival: NDArray[np.float64]
+    _input: NDArray[np.int64]
+    _output: NDArray[np.int64]
+    name: str
+    source: str  # human-readable origin
+    duration_s: float
+    offset_s: float  # where t = 0 falls on the source's own clock (s since 00:00 of its first day, if known)
+    prompts: tuple[str | None, ...] | None
+    request_ids: tuple[str | None, ...] | None
 
     def __init__(self, name: str, arrival_s: ArrayLike, input_tokens: ArrayLike, output_tokens: ArrayLike, *,
                  duration_s: float | None = None, source: str = "", offset_s: float = 0.0,
@@ -99,11 +108,15 @@ class Trace:
         duration = last if duration_s is None else float(duration_s)
         if not (math.isfinite(duration) and duration >= last):
             raise ValueError(f"trace {name!r}: duration_s={duration_s} must be >= the last arrival {last}")
-        self._arrival, self._input, self._output = _frozen(arrival, np.float64), _frozen(inp, np.int64), \
-            _frozen(out, np.int64)
-        self.name, self.source, self.duration_s, self.offset_s = name, source, duration, float(offset_s)
-        self.prompts: tuple[str | None, ...] | None = tuple(prompts) if prompts is not None else None
-        self.request_ids: tuple[str | None, ...] | None = tuple(request_ids) if request_ids is not None else None
+        fields = {"_arrival": _frozen(arrival, np.float64), "_input": _frozen(inp, np.int64),
+                  "_output": _frozen(out, np.int64), "name": name, "source": source, "duration_s": duration,
+                  "offset_s": float(offset_s), "prompts": tuple(prompts) if prompts is not None else None,
+                  "request_ids": tuple(request_ids) if request_ids is not None else None}
+        for key, value in fields.items():
+            object.__setattr__(self, key, value)
+
+    def __setattr__(self, key: str, value: object) -> None:
+        raise AttributeError(f"Trace is immutable (tried to set {key!r}); derive one with scaled/clipped/window")
 
     @classmethod
     def from_records(cls, name: str, records: Sequence[TraceRecord], **kw: Any) -> Trace:
