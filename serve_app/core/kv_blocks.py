@@ -101,6 +101,19 @@ class BlockManager:
             table.append(block)
         return block
 
+    def append_blocks(self, request_ids: list[str]) -> dict[str, list[int]] | None:
+        """One new block for each request (all or none); returns {request_id: [block]}."""
+        free = self._free
+        n = len(request_ids)
+        if n > len(free):
+            return None
+        new = free[-n:]
+        del free[-n:]
+        tables = self._tables
+        for rid, block in zip(request_ids, new, strict=True):
+            tables[rid].append(block)
+        return {rid: [block] for rid, block in zip(request_ids, new, strict=True)}
+
     def free(self, request_id: str) -> int:
         """Return all blocks of a request to the free list; returns how many."""
         table = self._tables.pop(request_id, None)

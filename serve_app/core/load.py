@@ -101,19 +101,19 @@ class ServiceModel:
         th[0] = max(self._floor[0], th[0] + k0 * err)
         th[1] = max(self._floor[1], th[1] + k1 * err)
         th[2] = max(self._floor[2], th[2] + k2 * err)
-        f = self._forget
-        px = (px0, px1, px2)
-        k = (k0, k1, k2)
-        for i in range(3):
-            row = p[i]
-            for j in range(3):
-                row[j] = (row[j] - k[i] * px[j]) / f
-        trace = p[0][0] + p[1][1] + p[2][2]
+        # P <- (P - k px^T) / forget, then bounded; P stays symmetric so rows are rebuilt whole.
+        inv_f = 1.0 / self._forget
+        a00 = (p[0][0] - k0 * px0) * inv_f
+        a01 = (p[0][1] - k0 * px1) * inv_f
+        a02 = (p[0][2] - k0 * px2) * inv_f
+        a11 = (p[1][1] - k1 * px1) * inv_f
+        a12 = (p[1][2] - k1 * px2) * inv_f
+        a22 = (p[2][2] - k2 * px2) * inv_f
+        trace = a00 + a11 + a22
         if trace > self._trace_cap:
-            scale = self._trace_cap / trace
-            for row in p:
-                for j in range(3):
-                    row[j] *= scale
+            s = self._trace_cap / trace
+            a00, a01, a02, a11, a12, a22 = a00 * s, a01 * s, a02 * s, a11 * s, a12 * s, a22 * s
+        self._p = [[a00, a01, a02], [a01, a11, a12], [a02, a12, a22]]
         self.num_observations += 1
 
     def drain_time(self, prefill_tokens: int, decode_seqs: int, prefill_tokens_per_step: int) -> float:

@@ -67,6 +67,7 @@ class Scheduler:
         self.decodes = DecodeSet(config.block_size, config.max_model_len)
         self.last_load = 0.0
         self._waiting_tokens = 0
+        self._prefill_remaining = 0  # prompt tokens of admitted requests not yet computed
         self._announced: set[str] = set()
         self._pending_finished: list[str] = []
         self._inflight: StepPlan | None = None
@@ -98,8 +99,7 @@ class Scheduler:
 
     def backlog_prefill_tokens(self) -> int:
         """Prompt tokens not yet computed: waiting prompts plus unfinished chunks."""
-        partial = sum(r.num_tokens - r.num_computed_tokens for r in self.prefilling.values())
-        return self._waiting_tokens + partial
+        return self._waiting_tokens + self._prefill_remaining
 
     def unit_state(self) -> UnitState:
         n_dec = len(self.decodes)
@@ -107,7 +107,9 @@ class Scheduler:
                          max(1, self.config.max_num_batched_tokens - n_dec))
 
     def predicted_queue_delay_s(self) -> float:
-        return self.admission.queueing_delay_s(self.unit_state(), self.load)
+        n_dec = len(self.decodes)
+        per_step = max(1, self.config.max_num_batched_tokens - n_dec)
+        return self.load.service.drain_time(self.backlog_prefill_tokens(), n_dec, per_step)
 
     # ---- arrivals and aborts -------------------------------------------------------------
     def add_request(self, req: Request, now: float) -> Rejection | None:
@@ -160,7 +162,7 @@ class Scheduler:
         budget = StepBudget(cfg.max_num_batched_tokens, cfg.max_batch_size)
         new_block_ids: dict[str, list[int]] = {}
         num_preempted = self._grow_decodes(new_block_ids) if decodes else 0
-        sched = dict.fromkeys(decodes.reqs, 1)
+        sched = decodes.ones.copy()
         n_dec = len(sched)
         budget.take_decodes(n_dec)
         new_reqs: list[NewRequestData] = []
@@ -214,9 +216,16 @@ class Scheduler:
     # ---- step internals -------------------------------------------------------------------
     def _grow_decodes(self, new_block_ids: dict[str, list[int]]) -> int:
         """Give every decode opening a new block one; preempt (recompute) when KV runs out."""
-        num_preempted = 0
         blocks, decodes = self.blocks, self.decodes
-        for req in decodes.needing_block():
+        group = decodes.needing_block()
+        if not group:
+            return 0
+        granted = blocks.append_blocks([r.request_id for r in group])
+        if granted is not None:  # the common case: room for the whole phase group at once
+            new_block_ids.update(granted)
+            return 0
+        num_preempted = 0
+        for req in group:
             rid = req.request_id
             while rid in decodes.reqs:
                 block = blocks.append_slot(rid, req.num_tokens)
@@ -241,6 +250,7 @@ class Scheduler:
             self.decodes.remove(rid)
         else:
             del self.prefilling[rid]
+            self._prefill_remaining -= req.num_tokens - req.num_computed_tokens
         self.blocks.free(rid)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -290,6 +300,7 @@ class Scheduler:
                 break
             waiting.popleft()
             self._waiting_tokens -= need
+            self._prefill_remaining += need
             req.status = RequestStatus.RUNNING
             if req.admitted_s is None:
                 req.admitted_s = now
@@ -333,6 +344,7 @@ class Scheduler:
                 continue
             n = scheduled[rid]
             req.num_computed_tokens += n
+            self._prefill_remaining -= n
             self.stats.num_prompt_tokens_computed += n
             if req.num_computed_tokens < req.num_tokens:
                 continue
@@ -362,8 +374,8 @@ class Scheduler:
         if rid in self.decodes:
             self.decodes.remove(rid)
             req.num_computed_tokens = req.num_tokens - 1
-        else:
-            self.prefilling.pop(rid, None)
+        elif self.prefilling.pop(rid, None) is not None:
+            self._prefill_remaining -= req.num_tokens - req.num_computed_tokens
         self.blocks.free(rid)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -443,6 +455,8 @@ class Scheduler:
             raise AssertionError(f"{blocks.num_used_blocks} blocks in use but live requests hold {used}")
         if self._waiting_tokens != sum(r.num_tokens - r.num_computed_tokens for r in self.waiting):
             raise AssertionError("waiting token count drifted")
+        if self._prefill_remaining != sum(r.num_tokens - r.num_computed_tokens for r in self.prefilling.values()):
+            raise AssertionError("prefill backlog count drifted")
         expected = Counter[int]()
         for req in self.requests.values():
             expected.update(req.stop_ids)
