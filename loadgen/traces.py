@@ -14,7 +14,10 @@ Must not import serve_app, actors, ray or torch.
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +140,32 @@ def _synthetic(name: str, *, hours: float, seed: int, time_scale: float, max_inp
     return synthetic_day(curve.scaled(factor), cv=cv, lengths=lengths, seed=seed, hours=hours,
                          time_scale=time_scale, name=name, max_input=max_input, max_output=max_output,
                          data_dir=data_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m loadgen.traces NAME [options]`: print a trace's stats, optionally export it as JSONL."""
+    parser = argparse.ArgumentParser(prog="python -m loadgen.traces", description=main.__doc__)
+    parser.add_argument("trace", help=f"a named trace ({', '.join(NAMED_TRACES)}) or a .csv/.jsonl path")
+    parser.add_argument("--hours", type=float, help="cut a real trace / length of a synthetic day")
+    parser.add_argument("--seed", type=int, default=0)
+    options = {"--time-scale": float, "--rate-scale": float, "--max-input": int, "--max-output": int,
+               "--peak-rps": float, "--mean-rps": float, "--cv": float, "--lengths": str, "--peak-to-trough": float}
+    for flag, kind in options.items():
+        parser.add_argument(flag, type=kind)
+    parser.add_argument("--out", help="write the trace here in tidalserve JSONL")
+    args = parser.parse_args(argv)
+    names = [flag[2:].replace("-", "_") for flag in options]
+    kw = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    try:
+        trace = load_trace(args.trace, hours=args.hours, seed=args.seed, **kw)
+    except (TypeError, ValueError, KeyError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.out:
+        write_jsonl(trace, args.out)
+    print(json.dumps({"name": trace.name, "source": trace.source, **trace.stats()}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,6 +6,7 @@ end to end and checked against the tables in their SOURCE.md.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -319,3 +320,15 @@ def test_synthetic_named_traces_are_deterministic_and_sized() -> None:
     assert mean.stats()["rate_rps"] == pytest.approx(2.0, rel=0.02)
     with pytest.raises(ValueError, match="not both"):
         load_trace("day-in-life", peak_rps=1.0, mean_rps=1.0)
+
+
+def test_module_command_prints_stats_and_exports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from loadgen.traces import main
+
+    out = tmp_path / "cut.jsonl"
+    assert main(["azure-conv", "--hours", "0.1", "--max-input", "2048", "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["duration_s"] == 360.0 and printed["input_p99"] <= 2048
+    assert len(read_jsonl(out)) == printed["count"]
+    assert main(["azure-conv", "--cv", "2"]) == 2
+    assert "unknown keyword" in capsys.readouterr().err
