@@ -1,0 +1,42 @@
+"""The seam between a step driver and whatever computes a step.
+
+Owns: the `Executor` protocol (`execute(plan) -> StepResult`, what the offline engine and the
+simulator call), `AsyncExecutor` (the awaitable form the Serve router uses) and
+`LocalExecutor`, a TP=1 model runner in this process with no Ray at all.
+`actors.replica.ReplicaGroup` is the multi-worker implementation of both forms.
+
+Must not import: ray.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from actors.worker_setup import EngineInfo, EngineSpec, build_local_runner
+from serve_app.core.plan import StepPlan, StepResult
+
+
+class Executor(Protocol):
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+class AsyncExecutor(Protocol):
+    async def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+class LocalExecutor:
+    """The real model in this process (TP=1): what `tidal generate` and the CPU benchmark use."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.runner, self.info = build_local_runner(spec)
+
+    @property
+    def engine_info(self) -> EngineInfo:
+        return self.info
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.runner.execute(plan)
+
+    def shutdown(self) -> None:
+        self.runner.states.clear()

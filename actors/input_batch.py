@@ -1,0 +1,115 @@
+"""Turning one StepPlan plus the runner's per-request state into model inputs.
+
+Owns: `RequestState` (what a worker knows of a request: all its token ids, how many have KV,
+its block table, its sampling parameters) and `build_inputs` (flat token ids, positions,
+KV slots, attention metadata and which rows sample). Contract violations (a plan that
+disagrees with the state) raise AssertionError with the request id: they are bugs.
+
+Must not import: ray, transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from actors.models.attention import AttentionMetadata, PrefillSpan
+
+
+@dataclass(slots=True)
+class RequestState:
+    token_ids: list[int]
+    num_computed: int
+    block_table: list[int]
+    sampling: Any  # serve_app.core.SamplingParams (duck-typed: see actors/sampler.py)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rids: list[str]
+    sample_indices: torch.Tensor  # flat index of each sampling request's last token
+    sample_positions: list[int]  # position of the token each sampling request produces
+
+
+def _decode_tables(tables: list[list[int]], pad: int, width: int | None) -> torch.Tensor:
+    w = width if width is not None else max(map(len, tables))
+    return torch.tensor([t + [pad] * (w - len(t)) for t in tables], dtype=torch.long)
+
+
+def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def build_inputs(plan: Any, states: dict[str, RequestState], block_size: int, scratch_block: int,
+                 device: torch.device, decode_width: int | None = None) -> StepInputs:
+    """Decodes first (one token each), then prefill chunks, in the plan's order."""
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    dec_tables: list[list[int]] = []
+    dec_lens: list[int] = []
+    spans: list[tuple[int, int, int, list[int]]] = []
+    sample_rids: list[str] = []
+    sample_idx: list[int] = []
+    sample_pos: list[int] = []
+    prefill_ctx = plan.prefill_context
+    for rid, n in plan.num_scheduled_tokens.items():
+        st = states.get(rid)
+        if st is None:
+            raise AssertionError(f"step {plan.step_id}: {rid} is scheduled but was never introduced")
+        ctx, end, t = st.num_computed, st.num_computed + n, len(ids)
+        if end > len(st.token_ids) or n < 1:
+            raise AssertionError(f"step {plan.step_id}: {rid} schedules {n} tokens at {ctx} "
+                                 f"but knows {len(st.token_ids)}")
+        nblocks = -(-end // block_size)
+        if nblocks > len(st.block_table):
+            raise AssertionError(f"step {plan.step_id}: {rid} needs {nblocks} blocks, holds {len(st.block_table)}")
+        if rid in prefill_ctx:
+            if prefill_ctx[rid] != ctx:
+                raise AssertionError(f"step {plan.step_id}: {rid} prefill context {prefill_ctx[rid]} != tracked {ctx}")
+            ids.extend(st.token_ids[ctx:end])
+            pos.extend(range(ctx, end))
+            spans.append((t, n, ctx, st.block_table[:nblocks]))
+        else:
+            if spans or n != 1 or end != len(st.token_ids):
+                raise AssertionError(f"step {plan.step_id}: decode {rid} out of order or not at its last token")
+            ids.append(st.token_ids[ctx])
+            pos.append(ctx)
+            dec_tables.append(st.block_table[:nblocks])
+            dec_lens.append(end)
+        slots.extend(_slots(st.block_table, ctx, end, block_size))
+        if end == len(st.token_ids):
+            sample_rids.append(rid)
+            sample_idx.append(len(ids) - 1)
+            sample_pos.append(end)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        num_decodes=len(dec_tables),
+        decode_block_tables=_decode_tables(dec_tables, scratch_block, decode_width).to(device) if dec_tables else None,
+        decode_context_lens=torch.tensor(dec_lens, dtype=torch.long, device=device) if dec_tables else None,
+        prefills=[PrefillSpan(s, n, c, torch.tensor(tb, dtype=torch.long, device=device)) for s, n, c, tb in spans],
+    )
+    return StepInputs(torch.tensor(ids, dtype=torch.long, device=device),
+                      torch.tensor(pos, dtype=torch.long, device=device), meta, sample_rids,
+                      torch.tensor(sample_idx, dtype=torch.long, device=device), sample_pos)
+
+
+def add_flash_metadata(inputs: StepInputs, scratch_block: int) -> None:  # pragma: no cover - GPU only
+    """Varlen description of the prefill chunks for flash-attn (cumulative q and k lengths)."""
+    meta = inputs.meta
+    meta.use_flash = True
+    if not meta.prefills:
+        return
+    device = inputs.input_ids.device
+    q_lens = [s.length for s in meta.prefills]
+    k_lens = [s.context + s.length for s in meta.prefills]
+    meta.prefill_cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    meta.prefill_cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    meta.prefill_block_tables = _decode_tables([s.block_table.tolist() for s in meta.prefills], scratch_block,
+                                               None).to(device=device, dtype=torch.int32)
+    meta.prefill_max_q, meta.prefill_max_k = max(q_lens), max(k_lens)

@@ -1,0 +1,135 @@
+"""Attention over a paged KV cache for a flattened batch that mixes decodes and prefill chunks.
+
+Owns: `AttentionMetadata` (what the runner prepares once per step and every layer reads) and
+`paged_attention` (write this step's K/V into the cache, then attend).
+
+Layout. Each layer's cache is a pair of tensors `[num_blocks + 1, block_size, kv_heads,
+head_dim]`; the extra last block is a scratch block that padded CUDA-graph slots write into.
+Token `t` of a request lives in block `block_table[t // block_size]`, slot `t % block_size`,
+so its flat slot is `block * block_size + t % block_size` (`slot_mapping`).
+
+Paths:
+- portable (CPU, and GPU without a kernel package): decodes are attended in one batched SDPA
+  call over their gathered blocks with a length mask (the G query heads of a GQA group act as
+  G queries against one KV head, so no K/V repeat); prefill chunks one SDPA call each, causal
+  with the chunk's offset. A chunk starting at position 0 attends over its own fresh K/V.
+- flash (CUDA, `flash_attn` installed, block_size a multiple of 256 as upstream flash-attn's
+  paged KV requires): `flash_attn_with_kvcache` for decodes, `flash_attn_varlen_func` with a
+  block table for prefill chunks. GPU-only; tested by tests/gpu.
+
+Must not import: ray, serve_app.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+try:  # an optional kernel package; absent on CPU machines
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+    HAVE_FLASH_ATTN = True
+except ImportError:  # pragma: no cover - depends on the machine
+    HAVE_FLASH_ATTN = False
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One prefill chunk: tokens [start, start+length) of the flat batch at positions context..."""
+
+    start: int
+    length: int
+    context: int
+    block_table: torch.Tensor  # blocks covering context + length tokens
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat cache slot of every scheduled token
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [D, W] (padded with the scratch block)
+    decode_context_lens: torch.Tensor | None  # [D] KV length including this step's token
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    use_flash: bool = False
+    # flash path only: varlen description of the prefill chunks
+    prefill_cu_q: torch.Tensor | None = None
+    prefill_cu_k: torch.Tensor | None = None
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_max_q: int = 0
+    prefill_max_k: int = 0
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [D, H, hd] -> [D, H, hd]. Static shapes given the table width (CUDA-graph safe)."""
+    num, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    k = k_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [D, Hkv, L, hd]
+    v = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    length = k.shape[2]
+    mask = torch.arange(length, device=q.device).unsqueeze(0) < context_lens.unsqueeze(1)
+    qg = q.view(num, kv_heads, heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return out.reshape(num, heads, head_dim)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, span: PrefillSpan, scale: float) -> torch.Tensor:
+    """One chunk: q/k/v [n, heads, hd] are this chunk's; earlier context comes from the cache."""
+    n, ctx = span.length, span.context
+    if ctx == 0:
+        keys, values, mask, causal = k, v, None, True
+    else:
+        total = ctx + n
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        keys = k_cache[span.block_table].view(-1, kv_heads, head_dim)[:total]
+        values = v_cache[span.block_table].view(-1, kv_heads, head_dim)[:total]
+        rows = torch.arange(n, device=q.device).unsqueeze(1) + ctx
+        mask, causal = torch.arange(total, device=q.device).unsqueeze(0) <= rows, False
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                                         values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal,
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+           scale: float, out: torch.Tensor) -> None:  # pragma: no cover - GPU only
+    d = meta.num_decodes
+    if d:
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+        dec = flash_attn_with_kvcache(q[:d].unsqueeze(1), k_cache, v_cache,
+                                      cache_seqlens=meta.decode_context_lens.to(torch.int32),
+                                      block_table=meta.decode_block_tables.to(torch.int32),
+                                      softmax_scale=scale, causal=True)
+        out[:d] = dec.squeeze(1)
+    if meta.prefills:
+        out[d:] = flash_attn_varlen_func(q[d:], k_cache, v_cache, meta.prefill_cu_q, meta.prefill_cu_k,
+                                         meta.prefill_max_q, meta.prefill_max_k, softmax_scale=scale,
+                                         causal=True, block_table=meta.prefill_block_tables)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, hd], k/v: [T, Hkv, hd] for the flat batch (decodes first). Returns [T, H, hd]."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    if meta.use_flash:
+        _flash(q, k_cache, v_cache, meta, scale, out)
+        return out
+    d = meta.num_decodes
+    if d:
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+        out[:d] = decode_attention(q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    for span in meta.prefills:
+        s, e = span.start, span.start + span.length
+        out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, span, scale)
+    return out

@@ -1,0 +1,157 @@
+"""Building a worker's engine from an `EngineSpec`: model, weights, KV budget, graphs, runner.
+
+Owns: `EngineSpec` (the knobs of one replica, plain data so it crosses Ray), `EngineInfo`
+(what the scheduler must know: KV blocks, block size, max model length, EOS ids) and the two
+phases of worker start-up: `WorkerBuilder.load()` (model + weights + how many KV blocks this
+rank could hold) and `WorkerBuilder.finish(num_blocks)` (allocate the agreed number on every
+rank, capture CUDA graphs, return the `ModelRunner`). TP ranks hold different numbers of KV
+heads when shards are uneven, so the replica takes the minimum over ranks.
+
+Must not import: ray, serve_app (except the plan dataclasses through model_runner).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from actors import kv_cache, model_loader
+from actors.cuda_graphs import CudaGraphRunner
+from actors.model_runner import ModelRunner
+from actors.models import LlamaForCausalLM, ModelConfig, TPContext, from_hf_config
+from actors.models.attention import AttentionMetadata, PrefillSpan
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    model: str = model_loader.DEFAULT_MODEL
+    tp: int = 1
+    device: str = "auto"  # "cpu", "cuda" or "auto"
+    dtype: str = "auto"  # float32 on CPU (no fast bf16 on small CPUs), bfloat16 on CUDA
+    block_size: int = 16
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 2048  # the largest step; sizes the GPU activation reserve
+    kv_cache_gb: float = 0.25  # CPU KV budget
+    gpu_memory_utilization: float = 0.9
+    max_num_blocks: int | None = None  # cap (tests force preemption with a tiny pool)
+    cuda_graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    enforce_eager: bool = False
+    random_config: dict[str, Any] | None = None  # build this HF config with random weights
+    seed: int | None = None
+    torch_threads: int | None = None  # default: the machine's cores split over TP ranks
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        return torch.bfloat16 if self.resolved_device() == "cuda" else torch.float32
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    model_path: str | None
+
+
+def _random_hf_config(values: dict[str, Any]) -> Any:
+    from transformers import LlamaConfig, MistralConfig
+
+    cls = MistralConfig if values.get("model_type") == "mistral" else LlamaConfig
+    return cls(**{k: v for k, v in values.items() if k != "model_type"})
+
+
+class WorkerBuilder:
+    def __init__(self, spec: EngineSpec, tp: TPContext | None = None) -> None:
+        self.spec = spec
+        self.tp = tp or TPContext()
+        self.device = torch.device(spec.resolved_device())
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device.index or 0)
+        threads = spec.torch_threads or max(1, (os.cpu_count() or 1) // spec.tp)
+        torch.set_num_threads(threads)
+        self.path: Path | None = None
+        self.model: LlamaForCausalLM | None = None
+        self.cfg: ModelConfig | None = None
+        self.max_model_len = 0
+
+    def load(self) -> tuple[int, EngineInfo]:
+        """Build and fill the model; return (KV blocks this rank can hold, engine info)."""
+        spec = self.spec
+        if spec.random_config is not None:
+            cfg = from_hf_config(_random_hf_config(spec.random_config))
+        else:
+            self.path = model_loader.prepare(spec.model)
+            cfg = model_loader.load_model_config(self.path)
+        self.max_model_len = min(spec.max_model_len, cfg.max_position_embeddings)
+        model_loader.check_servable(cfg, self.max_model_len)
+        model = model_loader.build_model(cfg, self.tp, spec.resolved_dtype(), self.device, self.max_model_len)
+        if self.path is None:
+            model_loader.random_weights(model, seed=spec.seed or 0)
+        else:
+            model_loader.load_weights(model, self.path)
+        self.model, self.cfg = model, cfg
+        blocks = kv_cache.blocks_for_budget(self.kv_spec(), self._kv_budget_bytes(), spec.max_num_blocks)
+        eos = model_loader.eos_token_ids(self.path, cfg) if self.path else cfg.eos_token_ids
+        info = EngineInfo(blocks, spec.block_size, self.max_model_len, eos, str(self.path) if self.path else None)
+        return blocks, info
+
+    def kv_spec(self) -> kv_cache.KVCacheSpec:
+        assert self.model is not None and self.cfg is not None
+        return kv_cache.KVCacheSpec(self.cfg.num_layers, self.model.num_local_kv_heads, self.cfg.head_dim,
+                                    self.spec.block_size, self.spec.resolved_dtype())
+
+    def _kv_budget_bytes(self) -> float:
+        if self.device.type != "cuda":
+            return self.spec.kv_cache_gb * kv_cache.GIB
+        torch.cuda.reset_peak_memory_stats(self.device)  # pragma: no cover - GPU only
+        self._profile_forward()  # pragma: no cover
+        peak = torch.cuda.max_memory_allocated(self.device)  # pragma: no cover
+        return kv_cache.gpu_kv_budget_bytes(self.device, self.spec.gpu_memory_utilization, peak)  # pragma: no cover
+
+    def _profile_forward(self) -> None:
+        """One forward of the largest step over a throwaway cache: the activation peak."""
+        assert self.model is not None
+        spec = self.spec
+        tokens = min(spec.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-tokens // spec.block_size)
+        caches = kv_cache.allocate_kv_cache(self.kv_spec(), blocks, self.device)
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        pos = torch.arange(tokens, device=self.device)
+        table = torch.arange(blocks, device=self.device)
+        meta = AttentionMetadata(pos.clone(), 0, None, None, [PrefillSpan(0, tokens, 0, table)])
+        with torch.inference_mode():
+            self.model.compute_logits(self.model(ids, pos, meta, caches)[-1:])
+        del caches
+
+    def finish(self, num_blocks: int) -> ModelRunner:
+        assert self.model is not None
+        caches = kv_cache.allocate_kv_cache(self.kv_spec(), num_blocks, self.device)
+        graphs = None
+        if self.device.type == "cuda" and not self.spec.enforce_eager and self.spec.cuda_graph_buckets:
+            graphs = CudaGraphRunner(self.model, caches, list(self.spec.cuda_graph_buckets),  # pragma: no cover
+                                     self.max_model_len, self.spec.block_size, num_blocks)
+            graphs.capture()  # pragma: no cover
+        return ModelRunner(self.model, caches, self.spec.block_size, num_blocks, self.spec.seed, graphs)
+
+
+def build_local_runner(spec: EngineSpec) -> tuple[ModelRunner, EngineInfo]:
+    """TP=1 in this process: load, size the KV cache, finish."""
+    if spec.tp != 1:
+        raise ValueError(f"tp={spec.tp}: an in-process runner is TP=1; use actors.replica.ReplicaGroup")
+    builder = WorkerBuilder(spec)
+    blocks, info = builder.load()
+    return builder.finish(blocks), info
+
