@@ -213,8 +213,9 @@ class Trace:
             ids = [f"{self.request_ids[i]}#{c}" if c and self.request_ids[i] is not None else self.request_ids[i]
                    for i, c in zip(idx.tolist(), k.tolist(), strict=True)]
         suffix = "" if (time_scale, rate_scale) == (1.0, 1.0) else f"@t{time_scale:g}r{rate_scale:g}"
+        # offset_s stays: t = 0 still falls at the same instant of the source's clock.
         return self._derived(self.name + suffix, idx, arrival=arrival, duration_s=self.duration_s * time_scale,
-                             offset_s=self.offset_s * time_scale, request_ids=ids)
+                             request_ids=ids)
 
     def clipped(self, max_input_tokens: int, max_output_tokens: int) -> Trace:
         """Token counts capped (for a model with a short context); arrivals unchanged."""

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loadgen.arrivals import (
     RateCurve,
@@ -241,3 +243,20 @@ def test_rate_for_peak_load_puts_the_peak_past_capacity() -> None:
         servegen_day_curve(mean_rps=2.0).peak == pytest.approx(8.0)
     with pytest.raises(ValueError):
         rate_for_peak_load(curve, unit_capacity_rps=0.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 50.0), st.floats(0.0, 20.0)), min_size=2, max_size=12), st.booleans())
+def test_inverse_cumulative_inverts_any_curve(knots: list[tuple[float, float]], periodic: bool) -> None:
+    times = np.cumsum([0.0] + [gap for gap, _ in knots[1:]])  # gaps of 0 make jumps
+    rates = [rate for _, rate in knots]
+    if times[-1] <= 0.0 or sum(rates) == 0.0:
+        return
+    curve = RateCurve(times, rates, periodic=periodic)
+    if curve.total <= 1e-9:
+        return
+    span = 2 * curve.total if periodic else curve.total
+    counts = np.linspace(0.0, span, 97)
+    back = curve.cumulative(curve.inverse_cumulative(counts))
+    np.testing.assert_allclose(back, counts, rtol=1e-7, atol=1e-7 * max(1.0, span))
+    assert np.all(np.diff(curve.inverse_cumulative(counts)) >= 0)

@@ -7,6 +7,8 @@ end to end and checked against the tables in their SOURCE.md.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -332,3 +334,12 @@ def test_module_command_prints_stats_and_exports(tmp_path: Path, capsys: pytest.
     assert len(read_jsonl(out)) == printed["count"]
     assert main(["azure-conv", "--cv", "2"]) == 2
     assert "unknown keyword" in capsys.readouterr().err
+
+
+def test_loadgen_trace_modules_stay_free_of_the_server_stack() -> None:
+    code = ("import sys, loadgen.traces, loadgen.arrivals, loadgen.prompts; "
+            "bad = [m for m in ('ray', 'torch', 'transformers', 'serve_app', 'actors', 'pandas') if m in sys.modules]; "
+            "print(','.join(bad))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.stdout.strip() == ""
