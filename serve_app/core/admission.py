@@ -4,10 +4,11 @@ Owns: `AdmissionController.check`. Rules, in order, each with its metric label:
 
 - `too_long`: prompt plus one output token exceeds `max_model_len` (never retryable: 400);
 - `queue_full`: `max_queue_len` requests already wait;
-- `prefill_backlog`: the prefill work ahead of the request (waiting prompts plus unfinished
-  chunks) would take longer than `target_ttft_s` to drain at the measured prefill speed while
-  the running decodes share each step. This is the queued-prefill-token cap of DESIGN.md
-  (about target TTFT x prefill throughput), computed from the fitted step model;
+- `prefill_backlog`: the predicted queueing delay of a new arrival exceeds `target_ttft_s`.
+  The delay is the longer of (a) draining the prefill work ahead of it (waiting prompts plus
+  unfinished chunks) at the measured prefill speed while the running decodes share each step
+  — the queued-prefill-token cap of DESIGN.md, about target TTFT x prefill throughput — and
+  (b) waiting for a batch slot when the batch is full, at the measured completion rate;
 - `kv_pressure`: KV usage is at `kv_reject_usage` and requests already wait for room.
 
 The retry-after estimate is the time until the rule would admit again if nothing else
@@ -29,13 +30,16 @@ from serve_app.core.request import Request
 
 @dataclass(frozen=True, slots=True)
 class UnitState:
-    """What admission looks at, gathered by the scheduler at the moment of arrival."""
+    """What admission looks at, gathered by the scheduler at the moment of arrival.
+
+    `queue_delay_s` is the scheduler's predicted queueing delay for a new arrival (one
+    definition: `Scheduler.predicted_queue_delay_s`).
+    """
 
     num_waiting: int
-    backlog_prefill_tokens: int
     num_decoding: int
     kv_usage: float
-    prefill_tokens_per_step: int
+    queue_delay_s: float
 
 
 class AdmissionController:
@@ -52,11 +56,6 @@ class AdmissionController:
                              f"max_model_len={self.max_model_len}; shorten the prompt", retryable=False)
         return None
 
-    def queueing_delay_s(self, state: UnitState, load: LoadEstimator) -> float:
-        """Predicted time before a new arrival's prefill could start."""
-        return load.service.drain_time(state.backlog_prefill_tokens, state.num_decoding,
-                                       state.prefill_tokens_per_step)
-
     def check(self, req: Request, state: UnitState, load: LoadEstimator) -> Rejection | None:
         cfg = self.config
         if not cfg.enabled:
@@ -65,7 +64,7 @@ class AdmissionController:
             capacity = max(load.capacity_rps(), 1e-9)
             return self._reject(req, "queue_full", state.num_waiting / capacity,
                                 f"{state.num_waiting} requests are already queued (limit {cfg.max_queue_len})")
-        delay = self.queueing_delay_s(state, load)
+        delay = state.queue_delay_s
         if delay > cfg.target_ttft_s:
             # Arrivals keep refilling the queue, so this is a lower bound on the real wait.
             return self._reject(req, "prefill_backlog", delay - cfg.target_ttft_s,

@@ -137,11 +137,13 @@ class LoadEstimator:
         "_output_mean",
         "_prompt_mean",
         "arrivals",
+        "finishes",
         "service",
     )
 
     def __init__(self, tau_s: float, prior: ServicePrior, max_batch_size: int, kv_tokens: int) -> None:
         self.arrivals = RateEstimator(tau_s)
+        self.finishes = RateEstimator(tau_s)
         self.service = ServiceModel(prior)
         self._prompt_mean = 0.0
         self._output_mean = 0.0
@@ -160,7 +162,8 @@ class LoadEstimator:
             guess = min(max_tokens, 256)
             self._output_mean = guess if first else 0.95 * self._output_mean + 0.05 * guess
 
-    def on_finish(self, num_output_tokens: int) -> None:
+    def on_finish(self, now: float, num_output_tokens: int) -> None:
+        self.finishes.on_event(now)
         if not self._have_finished:
             self._have_finished = True
             self._output_mean = float(num_output_tokens)
@@ -190,6 +193,12 @@ class LoadEstimator:
         per_request_s = (self._prompt_mean * svc.prefill_s_per_token
                          + max(1.0, self._output_mean) * (svc.overhead_s + svc.decode_s_per_seq * batch) / batch)
         return 1.0 / per_request_s if per_request_s > 0 else math.inf
+
+    def departure_rate(self, now: float) -> float:
+        """Requests/s leaving the running batch: measured, or the capacity estimate before any finish."""
+        if not self._have_finished:
+            return self.capacity_rps()
+        return max(self.finishes.rate(now), 1e-3)
 
     def load(self, now: float) -> float:
         rate = self.arrivals.rate(now)

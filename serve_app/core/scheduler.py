@@ -101,15 +101,24 @@ class Scheduler:
         """Prompt tokens not yet computed: waiting prompts plus unfinished chunks."""
         return self._waiting_tokens + self._prefill_remaining
 
-    def unit_state(self) -> UnitState:
-        n_dec = len(self.decodes)
-        return UnitState(len(self.waiting), self.backlog_prefill_tokens(), n_dec, self.blocks.usage(),
-                         max(1, self.config.max_num_batched_tokens - n_dec))
+    def unit_state(self, now: float) -> UnitState:
+        return UnitState(len(self.waiting), len(self.decodes), self.blocks.usage(), self.predicted_queue_delay_s(now))
 
-    def predicted_queue_delay_s(self) -> float:
+    def predicted_queue_delay_s(self, now: float) -> float:
+        """Time before a request arriving now would start its prefill, predicted from measurements.
+
+        The longer of draining the prefill backlog (waiting prompts and unfinished chunks, at
+        the fitted prefill speed with the running decodes sharing each step) and, when the
+        batch is full, waiting for enough running requests to finish (at the measured
+        completion rate, or the estimated capacity before any request has finished).
+        """
         n_dec = len(self.decodes)
         per_step = max(1, self.config.max_num_batched_tokens - n_dec)
-        return self.load.service.drain_time(self.backlog_prefill_tokens(), n_dec, per_step)
+        prefill_s = self.load.service.drain_time(self.backlog_prefill_tokens(), n_dec, per_step)
+        behind = len(self.waiting) + 1 - (self.config.max_batch_size - self.num_running)
+        if behind <= 0:
+            return prefill_s
+        return max(prefill_s, behind / self.load.departure_rate(now))
 
     # ---- arrivals and aborts -------------------------------------------------------------
     def add_request(self, req: Request, now: float) -> Rejection | None:
@@ -118,7 +127,7 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
         self.stats.num_arrived += 1
         self.load.on_arrival(now, req.num_prompt_tokens, req.sampling.max_tokens)
-        rejection = self.admission.check_length(req) or self.admission.check(req, self.unit_state(), self.load)
+        rejection = self.admission.check_length(req) or self.admission.check(req, self.unit_state(now), self.load)
         if rejection is not None:
             req.status = RequestStatus.REJECTED
             req.finished_s = now
@@ -157,7 +166,7 @@ class Scheduler:
         cfg = self.config
         load = self.load.load(now)
         self.last_load = load
-        regime = self.regime.update(now, load, self.predicted_queue_delay_s() / cfg.admission.target_ttft_s,
+        regime = self.regime.update(now, load, self.predicted_queue_delay_s(now) / cfg.admission.target_ttft_s,
                                     self.blocks.usage())
         budget = StepBudget(cfg.max_num_batched_tokens, cfg.max_batch_size)
         new_block_ids: dict[str, list[int]] = {}
@@ -384,7 +393,7 @@ class Scheduler:
         self._unregister_stops(req)
         self._forget_executor_state(rid)
         if reason is not FinishReason.ABORT:
-            self.load.on_finish(len(req.output_token_ids))
+            self.load.on_finish(now, len(req.output_token_ids))
         self.stats.finished[reason.value] += 1
         if finished is not None:
             finished.append(req)

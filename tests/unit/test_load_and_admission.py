@@ -50,7 +50,7 @@ def test_load_is_arrival_rate_over_capacity() -> None:
     for i in range(2000):
         est.on_arrival(i * 0.1, 500, 100)  # 10 req/s for 200 s
     for _ in range(50):
-        est.on_finish(100)
+        est.on_finish(200.0, 100)
     cap = est.capacity_rps()
     per_req = 500 * 0.0001 + 100 * (0.03 + 0.0005 * 32) / 32
     assert cap == pytest.approx(1 / per_req, rel=1e-6)

@@ -1,0 +1,109 @@
+"""The simulated fleet: several serving units, the core routing policy, the core autoscaler.
+
+Owns: `Fleet` — which units exist, which are provisioning (a new unit serves only after
+`provisioning_s`, the time to get GPU nodes and load weights), which are draining (no new
+requests; retired once empty), and their GPU-time intervals. Routing calls
+`serve_app.core.choose_unit`; scaling calls `serve_app.core.decide`: no policy code here.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from serve_app.core import AutoscaleObservation, AutoscaleState, UnitLoad, choose_unit, decide
+
+if TYPE_CHECKING:
+    from loadgen.sim.engine import SimConfig, Unit
+
+
+def unit_load(unit: Unit, now: float) -> UnitLoad:
+    s = unit.sched
+    return UnitLoad(str(unit.uid), s.num_running, s.num_waiting, s.predicted_queue_delay_s(now), s.kv_usage(),
+                    s.load.load(now), s.load.capacity_rps(), s.current_regime.value)
+
+
+class Fleet:
+    def __init__(self, config: SimConfig, make_unit: Callable[[int, float, float], Unit], rng: random.Random) -> None:
+        self.config = config
+        self._make_unit = make_unit
+        self.rng = rng
+        self.units: dict[int, Unit] = {}
+        self.retired: list[Unit] = []
+        self._next_uid = 0
+        self.state = AutoscaleState()
+        start = config.num_units
+        if config.autoscale is not None:
+            start = max(config.autoscale.min_units, min(config.autoscale.max_units, start))
+        for _ in range(start):
+            self._spawn(0.0, 0.0)
+        self._serving: list[Unit] = list(self.units.values())
+
+    def _spawn(self, now: float, ready: float) -> None:
+        uid = self._next_uid
+        self._next_uid += 1
+        self.units[uid] = self._make_unit(uid, now, ready)
+
+    def all_units(self) -> list[Unit]:
+        return [*self.retired, *self.units.values()]
+
+    def _refresh_serving(self, now: float) -> list[Unit]:
+        self._serving = [u for u in self.units.values() if u.ready_s <= now and not u.draining]
+        return self._serving
+
+    def route(self, now: float) -> Unit | None:
+        serving = self._serving
+        if len(serving) == 1 and not self.config.autoscale:
+            return serving[0]
+        serving = self._refresh_serving(now)
+        if len(serving) <= 1:
+            return serving[0] if serving else None
+        uid = choose_unit([unit_load(u, now) for u in serving], self.rng)
+        return self.units[int(uid)] if uid is not None else None
+
+    def tick(self, now: float) -> list[Unit]:
+        """One autoscaling decision; returns units whose engine may need a kick."""
+        config = self.config.autoscale
+        assert config is not None
+        active = [u for u in self.units.values() if not u.draining]
+        ready = [u for u in active if u.ready_s <= now]
+        obs = AutoscaleObservation(now, len(active), [unit_load(u, now) for u in ready])
+        target, self.state = decide(obs, self.state, config)
+        if target > len(active):
+            for _ in range(target - len(active)):
+                self._spawn(now, now + self.config.provisioning_s)
+        elif target < len(active):
+            # Cancel units still provisioning first, then drain the newest serving ones.
+            victims = sorted(active, key=lambda u: (u.ready_s <= now, -u.uid))[: len(active) - target]
+            for unit in victims:
+                unit.draining = True
+                self.maybe_retire(unit, now)
+        self._refresh_serving(now)
+        return [u for u in self.units.values() if u.draining]
+
+    def maybe_retire(self, unit: Unit, now: float) -> None:
+        if unit.draining and unit.idle and unit.uid in self.units:
+            unit.end_s = now
+            del self.units[unit.uid]
+            self.retired.append(unit)
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        serving = [u for u in self.units.values() if u.ready_s <= now and not u.draining]
+        first = serving[0].sched if serving else None
+        return {
+            "t": now,
+            "units": len(self.units),
+            "serving": len(serving),
+            "queue": sum(u.sched.num_waiting for u in serving),
+            "running": sum(u.sched.num_running for u in serving),
+            "kv_usage": max((u.sched.kv_usage() for u in serving), default=0.0),
+            "load": first.load.load(now) if first else 0.0,
+            "regime": first.current_regime.value if first else "none",
+            "demand_units": self.state.last_demand,
+        }
+
+    def close(self, end: float) -> list[tuple[float, float]]:
+        for unit in self.units.values():
+            unit.end_s = end
+        return [(u.start_s, u.end_s if u.end_s is not None else end) for u in self.all_units()]
