@@ -24,6 +24,11 @@ from actors.worker_setup import EngineInfo
 from serve_app.core import Request, SamplingParams, Scheduler, SchedulerConfig, preset
 from serve_app.core.plan import Idle, Run, WaitUntil
 
+# Request ids stay unique across engines sharing one executor: a finished request's worker
+# state is only dropped by the *next* plan's finished_ids, which an engine that went idle
+# never sends.
+_ENGINE_IDS = itertools.count()
+
 
 @dataclass(slots=True)
 class Completion:
@@ -61,6 +66,7 @@ class LLMEngine:
         self.clock = clock
         self.scheduler = Scheduler(config or scheduler_config(info), now=clock())
         self._ids = itertools.count()
+        self._prefix = f"e{next(_ENGINE_IDS)}"
         self._prompts: dict[str, str | None] = {}
         self.completions: dict[str, Completion] = {}
 
@@ -75,7 +81,7 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams, request_id: str | None = None,
                     chat: bool = False) -> str:
-        rid = request_id or f"req-{next(self._ids)}"
+        rid = request_id or f"{self._prefix}-{next(self._ids)}"
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
         if not sampling.ignore_eos and self.info.eos_token_ids:
             sampling = dataclasses.replace(sampling,

@@ -41,6 +41,9 @@ class ModelRunner:
         self.graphs = graphs
         self.use_flash = HAVE_FLASH_ATTN and self.device.type == "cuda" and block_size % 256 == 0
         self.states: dict[str, RequestState] = {}
+        # Tests compare logits with a reference model; off in serving (a copy per step).
+        self.keep_logits = False
+        self.last_logits: dict[str, torch.Tensor] = {}
 
     # ---- plan diffs ----------------------------------------------------------------------
     def apply_diffs(self, plan: StepPlan) -> None:
@@ -101,6 +104,8 @@ class ModelRunner:
         logprobs: dict[str, Any] | None = None
         if logits is not None:  # rank 0
             params = [self.states[r].sampling for r in rids]
+            if self.keep_logits:
+                self.last_logits = dict(zip(rids, logits.cpu().clone(), strict=True))
             out = self.sampler.sample(logits.cpu(), params, inputs.sample_positions)
             tokens.copy_(torch.tensor(out.token_ids))
             lps = {r: lp for r, lp in zip(rids, out.logprobs, strict=True) if lp is not None}

@@ -1,0 +1,194 @@
+"""A replica group: the TP worker actors of one serving unit, placed together, run in lock step.
+
+Owns: `ReplicaGroup` (placement group, worker start-up, `execute` with a deadline, health,
+shutdown) and `WorkerFailure`, the one exception a driver sees when a worker dies or stalls.
+
+Placement: one bundle per rank in a STRICT_PACK placement group (same node: the TP
+collectives are intra-node) - `{"GPU": 1, "CPU": 1}` on GPU nodes, a fractional CPU bundle on
+CPU so TP=2 fits a 2-CPU Ray cluster next to Serve. Every rank gets every plan; rank 0's
+StepResult is returned. Transport: plain actor calls, or a Ray Compiled Graph
+(`compiled_graph=True`, lower per-step overhead, see benchmarks/control_plane.py; its
+actors spin a core while the graph exists, so call `shutdown()`).
+
+Backends: "hf" runs the real model; "sim" runs the cost model's SimExecutor in-process and
+sleeps its modelled step time (the simulated GPU behind a real Serve deployment).
+
+Must not import: serve_app except the core plan dataclasses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.tp_worker import TPWorker
+from actors.worker_setup import EngineInfo, EngineSpec
+from serve_app.core.plan import StepPlan, StepResult
+
+
+class WorkerFailure(RuntimeError):
+    """A TP worker died, raised, or did not answer in time. The replica group is unusable."""
+
+
+class ReplicaGroup:
+    def __init__(self, spec: EngineSpec, backend: str = "hf", *, step_timeout_s: float = 60.0,
+                 init_timeout_s: float = 600.0, cpus_per_worker: float = 0.01, compiled_graph: bool = False,
+                 sim_executor: Any = None) -> None:
+        if backend not in ("hf", "sim"):
+            raise ValueError(f"backend={backend!r}: use 'hf' (real model) or 'sim' (cost model)")
+        self.spec = spec
+        self.backend = backend
+        self.step_timeout_s = step_timeout_s
+        self.workers: list[Any] = []
+        self.pg: Any = None
+        self._dag: Any = None
+        self._sim = sim_executor
+        if backend == "sim":
+            if sim_executor is None:
+                raise ValueError("backend='sim' needs a SimExecutor (actors/sim_executor.py)")
+            self.info = EngineInfo(sim_executor.num_kv_blocks, spec.block_size, spec.max_model_len, (), None)
+            return
+        try:
+            self.info = self._start(init_timeout_s, cpus_per_worker)
+            if compiled_graph:
+                self._dag = self._compile()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- start-up --------------------------------------------------------------------------
+    def _start(self, timeout_s: float, cpus_per_worker: float) -> EngineInfo:
+        spec, tp = self.spec, self.spec.tp
+        on_gpu = spec.resolved_device() == "cuda"
+        bundle = {"GPU": 1.0, "CPU": 1.0} if on_gpu else {"CPU": cpus_per_worker}
+        self.pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK")
+        ray.get(self.pg.ready(), timeout=timeout_s)
+        actor = ray.remote(TPWorker)
+        self.workers = [
+            actor.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+                          max_concurrency=2)  # health checks answer while a step runs
+            .remote(spec, r, tp)
+            for r in range(tp)
+        ]
+        address, port = ray.get(self.workers[0].rendezvous_address.remote(), timeout=timeout_s)
+        ray.get([w.init_distributed.remote(address, port, max(self.step_timeout_s, 30.0)) for w in self.workers],
+                timeout=timeout_s)
+        loaded = ray.get([w.load.remote() for w in self.workers], timeout=timeout_s)
+        num_blocks = min(blocks for blocks, _ in loaded)
+        ray.get([w.finish.remote(num_blocks) for w in self.workers], timeout=timeout_s)
+        info: EngineInfo = loaded[0][1]
+        return EngineInfo(num_blocks, info.block_size, info.max_model_len, info.eos_token_ids, info.model_path)
+
+    def _compile(self) -> Any:
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as plan:
+            dag = MultiOutputNode([w.execute.bind(plan) for w in self.workers])
+        return dag.experimental_compile(enable_asyncio=True)
+
+    # ---- what the scheduler needs -------------------------------------------------------------
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.info.num_kv_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.info.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.info.eos_token_ids
+
+    # ---- steps ------------------------------------------------------------------------------
+    async def execute(self, plan: StepPlan) -> StepResult:
+        """Run one plan on every rank; rank 0's result. Raises WorkerFailure, never hangs."""
+        if self._sim is not None:
+            result: StepResult = self._sim.execute(plan)
+            await asyncio.sleep(result.device_time_s)
+            return result
+        try:
+            if self._dag is not None:
+                futures = await self._dag.execute_async(plan)
+                results = await asyncio.wait_for(asyncio.gather(*futures), self.step_timeout_s)
+            else:
+                refs = [w.execute.remote(plan) for w in self.workers]
+                results = await asyncio.wait_for(asyncio.gather(*refs), self.step_timeout_s)
+        except TimeoutError as exc:
+            raise WorkerFailure(f"step {plan.step_id}: no answer from the TP workers within "
+                                f"{self.step_timeout_s:.0f} s") from exc
+        except RayError as exc:
+            raise WorkerFailure(f"step {plan.step_id}: a TP worker failed: {exc}") from exc
+        return self._rank0(plan, results)
+
+    def execute_blocking(self, plan: StepPlan) -> StepResult:
+        """The synchronous form (offline engine); plain actor calls only."""
+        if self._sim is not None:
+            result: StepResult = self._sim.execute(plan)
+            time.sleep(result.device_time_s)
+            return result
+        if self._dag is not None:
+            raise RuntimeError("a replica built with compiled_graph=True is driven through `await execute()`")
+        refs = [w.execute.remote(plan) for w in self.workers]
+        try:
+            results = ray.get(refs, timeout=self.step_timeout_s)
+        except GetTimeoutError as exc:
+            raise WorkerFailure(f"step {plan.step_id}: no answer from the TP workers within "
+                                f"{self.step_timeout_s:.0f} s") from exc
+        except RayError as exc:
+            raise WorkerFailure(f"step {plan.step_id}: a TP worker failed: {exc}") from exc
+        return self._rank0(plan, results)
+
+    @staticmethod
+    def _rank0(plan: StepPlan, results: list[Any]) -> StepResult:
+        result = results[0]
+        if not isinstance(result, StepResult):
+            raise WorkerFailure(f"step {plan.step_id}: rank 0 returned {type(result).__name__}, not a StepResult")
+        return result
+
+    def blocking(self) -> BlockingReplica:
+        return BlockingReplica(self)
+
+    # ---- health and teardown ---------------------------------------------------------------
+    def check_health(self, timeout_s: float = 10.0) -> None:
+        if self._sim is not None:
+            return
+        try:
+            ray.get([w.check_health.remote() for w in self.workers], timeout=timeout_s)
+        except (GetTimeoutError, RayActorError, RayError) as exc:
+            raise WorkerFailure(f"replica unhealthy: {exc}") from exc
+
+    def shutdown(self) -> None:
+        if self._dag is not None:
+            with contextlib.suppress(Exception):
+                self._dag.teardown()
+            self._dag = None
+        for w in self.workers:
+            with contextlib.suppress(Exception):
+                ray.kill(w)
+        self.workers = []
+        if self.pg is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.pg)
+            self.pg = None
+
+
+class BlockingReplica:
+    """`Executor` adapter (execute(plan) -> StepResult) for the offline engine."""
+
+    def __init__(self, group: ReplicaGroup) -> None:
+        self.group = group
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.group.execute_blocking(plan)

