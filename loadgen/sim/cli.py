@@ -1,0 +1,103 @@
+"""`tidal simulate` and `tidal study`: the simulator's command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from serve_app.core import POLICIES, AutoscaleConfig
+
+
+def _trace_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kw: dict[str, Any] = {}
+    if args.rate_scale != 1.0:
+        kw["rate_scale"] = args.rate_scale
+    if args.max_input:
+        kw["max_input"] = args.max_input
+    if args.max_output:
+        kw["max_output"] = args.max_output
+    if args.peak_rps is not None:
+        kw["peak_rps"] = args.peak_rps
+    if args.cv is not None:
+        kw["cv"] = args.cv
+    return kw
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from actors.cost_model import CostModel
+
+    from loadgen.report import Slo
+    from loadgen.sim.runner import RunSpec, run_policy, summary_markdown, unit_config, write_run
+    from loadgen.sim.study import day_trace
+    from loadgen.traces import load_trace
+
+    cost = CostModel.load(args.cost_model)
+    base = unit_config(cost, max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=args.max_model_len)
+    if args.trace.startswith("day-in-life") and args.peak_rps is None:
+        trace = day_trace(args.trace, cost, base, hours=args.hours or 24.0, seed=args.seed,
+                          peak_load=args.peak_load, cv=args.cv, units=args.units)
+    else:
+        trace = load_trace(args.trace, hours=args.hours, seed=args.seed, **_trace_kwargs(args))
+    trace = trace.clipped(args.max_model_len - 1, args.max_model_len - 1)
+    autoscale = AutoscaleConfig(min_units=args.min_units, max_units=args.max_units) if args.autoscale else None
+    spec = RunSpec(trace, base, cost, Slo(args.slo_ttft, args.slo_tpot), units=args.units, autoscale=autoscale,
+                   provisioning_s=args.provisioning_s, seed=args.seed)
+    runs = [run_policy(spec, p, progress=not args.quiet) for p in args.policy]
+    out = Path(args.out)
+    write_run(out, f"{trace.name} on {cost.name}", runs, spec.slo, requests_jsonl=not args.no_requests)
+    print(summary_markdown(runs))
+    print(json.dumps({r.policy: round(r.wall_s, 1) for r in runs}), "(wall seconds per policy)", file=sys.stderr)
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cost-model", default="a100-llama70b-tp8", help="name under configs/costmodels or a YAML path")
+    p.add_argument("--max-batch-size", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--slo-ttft", type=float, default=1.0, help="TTFT target, seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.1, help="TPOT target, seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("simulate", help="replay a trace through the real scheduler on a simulated GPU")
+    p.add_argument("--trace", required=True,
+                   help="day-in-life | day-in-life-sharp | azure-code | azure-conv | mooncake-conv | PATH")
+    p.add_argument("--policy", action="append", choices=POLICIES, required=True, help="repeat to compare")
+    _common(p)
+    scale = p.add_mutually_exclusive_group()
+    scale.add_argument("--units", type=int, default=1, help="fixed number of serving units")
+    scale.add_argument("--autoscale", action="store_true", help="let the core autoscaler size the fleet")
+    p.add_argument("--min-units", type=int, default=1)
+    p.add_argument("--max-units", type=int, default=8)
+    p.add_argument("--provisioning-s", type=float, default=300.0, help="time before a new unit serves")
+    p.add_argument("--hours", type=float, default=None)
+    p.add_argument("--rate-scale", type=float, default=1.0)
+    p.add_argument("--peak-load", type=float, default=1.3,
+                   help="synthetic days: peak rate as a multiple of the fleet's measured capacity")
+    p.add_argument("--peak-rps", type=float, default=None, help="synthetic days: absolute peak rate instead")
+    p.add_argument("--cv", type=float, default=None, help="synthetic days: inter-arrival CV (burstiness)")
+    p.add_argument("--max-input", type=int, default=None)
+    p.add_argument("--max-output", type=int, default=None)
+    p.add_argument("--no-requests", action="store_true", help="skip the per-request JSONL files")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=run_simulate)
+
+    s = sub.add_parser("study", help="the day-in-the-life study: policies, QPS sweep, autoscaled fleet")
+    _common(s)
+    s.add_argument("--hours", type=float, default=24.0)
+    s.add_argument("--part", action="append", choices=("day", "sweep", "fleet"), help="default: all")
+    s.add_argument("--out", required=True)
+
+    def _run_study(args: argparse.Namespace) -> int:
+        from loadgen.sim.study import run_study
+
+        return run_study(args)
+
+    s.set_defaults(func=_run_study)

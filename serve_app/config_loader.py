@@ -1,0 +1,115 @@
+"""Application arguments: the `args:` block of a Serve config, validated strictly.
+
+Owns: the pydantic models of `args` (`AppArgs` = engine + scheduler + ingress), the one place
+environment variables are read (`TIDAL_MODEL` overrides `engine.model`, e.g. a model path
+mounted into a KubeRay pod), and the translation to the core's frozen `SchedulerConfig`.
+Unknown keys are errors that name the key (Serve's own schema would accept them silently).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from serve_app.core import POLICIES, SchedulerConfig, preset
+from serve_app.core.config import ServicePrior
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineArgs(_Strict):
+    model: str = Field(DEFAULT_MODEL, description="alias, HF checkpoint directory, HF id, or .gguf path")
+    served_model_name: str | None = Field(None, description="name clients pass as `model` (default: `model`)")
+    backend: Literal["hf", "sim"] = Field("hf", description="hf: the real model; sim: the cost model's step times")
+    tp: int = Field(1, ge=1, le=64, description="tensor-parallel degree (GPUs per serving unit)")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int = Field(2048, ge=16)
+    block_size: int = Field(16, ge=1)
+    kv_cache_gb: float = Field(0.25, gt=0, description="CPU only: memory for the KV cache")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    enforce_eager: bool = Field(False, description="GPU: do not capture CUDA graphs")
+    compiled_graph: bool = Field(False, description="drive TP workers through a Ray Compiled Graph")
+    step_timeout_s: float = Field(60.0, gt=0, description="a step slower than this means a dead worker")
+    cost_model: str | None = Field(None, description="sim backend: configs/costmodels name or YAML path")
+    sim_num_kv_blocks: int | None = Field(None, ge=1, description="sim backend: KV pool (default from the model)")
+
+    @model_validator(mode="after")
+    def _sim_needs_cost_model(self) -> EngineArgs:
+        if self.backend == "sim" and not self.cost_model:
+            raise ValueError("engine.backend 'sim' needs engine.cost_model (e.g. a100-llama70b-tp8)")
+        return self
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or self.model
+
+
+class SchedulerArgs(_Strict):
+    policy: str = Field("adaptive", description=f"one of {', '.join(POLICIES)}")
+    max_batch_size: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    kv_watermark: float = Field(0.01, ge=0, lt=0.5)
+    enable_chunked_prefill: bool = True
+    cuda_graph_buckets: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    load_tau_s: float = Field(10.0, gt=0)
+    batching: dict[str, Any] = Field(default_factory=dict, description="overrides of core BatchingConfig")
+    regime: dict[str, Any] = Field(default_factory=dict, description="overrides of core RegimeConfig")
+    admission: dict[str, Any] = Field(default_factory=dict, description="overrides of core AdmissionConfig")
+
+    @model_validator(mode="after")
+    def _known_policy(self) -> SchedulerArgs:
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduler.policy={self.policy!r} is unknown; use one of {', '.join(POLICIES)}")
+        return self
+
+
+class IngressArgs(_Strict):
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
+    request_timeout_s: float = Field(600.0, gt=0, description="a request running longer is aborted")
+
+
+class AppArgs(_Strict):
+    engine: EngineArgs = Field(default_factory=EngineArgs)
+    scheduler: SchedulerArgs = Field(default_factory=SchedulerArgs)
+    ingress: IngressArgs = Field(default_factory=IngressArgs)
+
+
+def load_app_args(raw: dict[str, Any] | None, environ: dict[str, str] | None = None) -> AppArgs:
+    """Validate `args`; `TIDAL_MODEL` (read here, once) overrides engine.model."""
+    env = os.environ if environ is None else environ
+    data = dict(raw or {})
+    if env.get("TIDAL_MODEL"):
+        data["engine"] = {**dict(data.get("engine") or {}), "model": env["TIDAL_MODEL"]}
+    return AppArgs.model_validate(data)
+
+
+def _replace(obj: Any, overrides: dict[str, Any], where: str) -> Any:
+    known = {f.name for f in dataclasses.fields(obj)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"scheduler.{where} has unknown key(s) {unknown}; known: {sorted(known)}")
+    return dataclasses.replace(obj, **overrides)
+
+
+def scheduler_config(args: SchedulerArgs, *, num_kv_blocks: int, block_size: int, max_model_len: int,
+                     service_prior: ServicePrior | None = None) -> SchedulerConfig:
+    """The core config of one unit: the preset for `policy`, sized by the engine, then overrides."""
+    base = SchedulerConfig(
+        max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks,
+        kv_watermark=args.kv_watermark, enable_chunked_prefill=args.enable_chunked_prefill,
+        cuda_graph_buckets=tuple(args.cuda_graph_buckets), load_tau_s=args.load_tau_s,
+        service_prior=service_prior or ServicePrior(),
+    )
+    cfg = preset(args.policy, base)
+    return dataclasses.replace(cfg, batching=_replace(cfg.batching, args.batching, "batching"),
+                               regime=_replace(cfg.regime, args.regime, "regime"),
+                               admission=_replace(cfg.admission, args.admission, "admission"))

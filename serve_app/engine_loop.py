@@ -1,0 +1,206 @@
+"""The async engine loop of one serving unit: the core Scheduler on the wall clock.
+
+Owns: `EngineLoop` — per-request token streams, the step loop (schedule -> execute ->
+on_step_done -> fan tokens out), micro-wait sleeps, abort on cancellation, and failure
+handling. It makes no policy decision (serve_app/core does) and knows nothing of Serve:
+the Router deployment (serve_app/router.py) wraps it, and tests drive it with a fake executor.
+
+Failure: if the executor raises (a TP worker died or stalled: `WorkerFailure`), every
+in-flight request receives an `EngineError` (503, `engine_failed`) at once, the loop stops,
+and `healthy` turns False so Serve's health check replaces the unit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+from serve_app.core import Idle, Request, Run, Scheduler, StepPlan, StepResult, WaitUntil
+from serve_app.engine_api import EngineError, GenerateChunk, GenerateRequest
+
+log = logging.getLogger("tidalserve.engine")
+
+_END = object()  # queue sentinel: the request is over (its finish reason is on the stream)
+
+
+class AsyncExecutor(Protocol):
+    async def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+class EngineObserver(Protocol):
+    """Metrics hooks (serve_app/metrics.py); every method must be cheap."""
+
+    def on_arrival(self) -> None: ...
+    def on_rejection(self, reason: str) -> None: ...
+    def on_step(self, sched: Scheduler, plan: StepPlan, device_time_s: float, step_gap_s: float,
+                now: float) -> None: ...
+    def on_first_token(self, req: Request, now: float) -> None: ...
+    def on_finish(self, req: Request, now: float) -> None: ...
+    def on_engine_error(self, kind: str) -> None: ...
+
+
+class _Stream:
+    __slots__ = ("finish_reason", "logprobs", "queue", "request")
+
+    def __init__(self, request: Request, logprobs: bool) -> None:
+        self.request = request
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finish_reason: str | None = None
+        self.logprobs = logprobs
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler, executor: AsyncExecutor, observer: EngineObserver | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.sched = scheduler
+        self.executor = executor
+        self.observer = observer
+        self.clock = clock
+        self.streams: dict[str, _Stream] = {}
+        self.healthy = True
+        self.failure: str | None = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._last_step_end: float | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="tidal-engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+
+    # ---- requests --------------------------------------------------------------------------
+    async def generate(self, gen: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream one request's tokens. Closing the iterator aborts the request."""
+        self.start()
+        if not self.healthy:
+            yield GenerateChunk(error=EngineError(503, "server_error", "engine_failed",
+                                                  f"this serving unit failed ({self.failure}); retry",
+                                                  retry_after_s=5.0))
+            return
+        now = self.clock()
+        req = Request(gen.request_id, len(gen.prompt_token_ids), gen.sampling, now, list(gen.prompt_token_ids))
+        if self.observer:
+            self.observer.on_arrival()
+        rejection = self.sched.add_request(req, now)
+        if rejection is not None:
+            if self.observer:
+                self.observer.on_rejection(rejection.reason)
+            status, kind = (429, "rate_limit_error") if rejection.retryable else (400, "invalid_request_error")
+            yield GenerateChunk(num_prompt_tokens=req.num_prompt_tokens,
+                                error=EngineError(status, kind, rejection.reason, rejection.message,
+                                                  rejection.retry_after_s if rejection.retryable else None))
+            return
+        stream = _Stream(req, gen.sampling.logprobs is not None)
+        self.streams[gen.request_id] = stream
+        self._wake.set()
+        try:
+            async for chunk in self._drain(stream):
+                yield chunk
+        finally:
+            self.streams.pop(gen.request_id, None)
+            if not req.is_finished:
+                self.sched.abort(gen.request_id, self.clock())
+                self._wake.set()
+
+    async def _drain(self, stream: _Stream) -> AsyncIterator[GenerateChunk]:
+        queue = stream.queue
+        num_prompt = stream.request.num_prompt_tokens
+        while True:
+            item = await queue.get()
+            tokens: list[int] = []
+            logprobs: list[list[tuple[int, float]]] | None = [] if stream.logprobs else None
+            done = False
+            error: EngineError | None = None
+            while True:  # coalesce whatever is already queued into one chunk
+                if item is _END:
+                    done = True
+                elif isinstance(item, EngineError):
+                    error = item
+                    done = True
+                else:
+                    tok, lp = item
+                    tokens.append(tok)
+                    if logprobs is not None:
+                        logprobs.append(lp or [])
+                if done or queue.empty():
+                    break
+                item = queue.get_nowait()
+            yield GenerateChunk(tokens, stream.finish_reason if done and error is None else None, logprobs,
+                                num_prompt, error)
+            if done:
+                return
+
+    # ---- the step loop ---------------------------------------------------------------------
+    async def _run(self) -> None:
+        sched = self.sched
+        try:
+            while True:
+                now = self.clock()
+                decision = sched.schedule(now)
+                if type(decision) is Run:
+                    await self._step(decision.plan)
+                elif type(decision) is WaitUntil:
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), max(0.0, decision.deadline_s - now))
+                else:
+                    assert type(decision) is Idle
+                    self._wake.clear()
+                    await self._wake.wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an executor failure or a bug: fail every request loudly, never hang
+            log.exception("engine loop failed")
+            self._fail(exc)
+
+    async def _step(self, plan: StepPlan) -> None:
+        start = self.clock()
+        result = await self.executor.execute(plan)
+        now = self.clock()
+        outputs = self.sched.on_step_done(plan, result, now)
+        gap = now - self._last_step_end if self._last_step_end is not None else now - start
+        self._last_step_end = now
+        if self.observer:
+            self.observer.on_step(self.sched, plan, result.device_time_s, gap, now)
+        streams = self.streams
+        logprobs = outputs.logprobs or {}
+        for rid, tok in outputs.tokens.items():
+            stream = streams.get(rid)
+            if stream is not None:
+                stream.queue.put_nowait((tok, logprobs.get(rid)))
+        if self.observer:
+            for rid in outputs.first_token_ids:
+                stream = streams.get(rid)
+                if stream is not None:
+                    self.observer.on_first_token(stream.request, now)
+        for req in outputs.finished:
+            if self.observer:
+                self.observer.on_finish(req, now)
+            stream = streams.get(req.request_id)
+            if stream is not None:
+                stream.finish_reason = req.finish_reason.value if req.finish_reason else None
+                stream.queue.put_nowait(_END)
+        # Let the streams' consumers run between steps (a step can be shorter than a loop tick).
+        await asyncio.sleep(0)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.healthy = False
+        self.failure = f"{type(exc).__name__}: {exc}"
+        if self.observer:
+            self.observer.on_engine_error(type(exc).__name__)
+        error = EngineError(503, "server_error", "engine_failed",
+                            f"the serving unit failed mid-request ({self.failure}); retry", retry_after_s=5.0)
+        self.sched.abort_all(self.clock())
+        for stream in list(self.streams.values()):
+            stream.queue.put_nowait(error)

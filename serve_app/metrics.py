@@ -1,0 +1,100 @@
+"""Prometheus metrics of a serving unit, through `ray.util.metrics` (Ray exports them).
+
+Owns: `UnitMetrics`, the `EngineObserver` the engine loop calls. Every metric is created from
+its definition in serve_app/metric_defs.py (names are never typed twice). Gauges are refreshed
+at most every `gauge_period_s`; counters and histograms are recorded as events happen, once
+per step or per request (never per token: inter-token latency is the gap between steps, which
+every decode in the step saw).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.util import metrics as ray_metrics
+
+from serve_app import metric_defs as M
+from serve_app.core import Request, Scheduler, StepPlan
+from serve_app.core.regime import REGIME_LEVEL
+
+
+def _make(defn: M.MetricDef) -> Any:
+    if defn.kind == "counter":
+        return ray_metrics.Counter(defn.name, description=defn.description, tag_keys=defn.tag_keys)
+    if defn.kind == "gauge":
+        return ray_metrics.Gauge(defn.name, description=defn.description, tag_keys=defn.tag_keys)
+    return ray_metrics.Histogram(defn.name, description=defn.description, boundaries=list(defn.boundaries),
+                                 tag_keys=defn.tag_keys)
+
+
+class UnitMetrics:
+    def __init__(self, unit: str, gauge_period_s: float = 0.5) -> None:
+        self.unit = unit
+        self.tags = {M.UNIT_TAG: unit}
+        self.gauge_period_s = gauge_period_s
+        self._next_gauge = 0.0
+        self._m: dict[str, Any] = {}
+        for defn in M.ALL_METRICS:
+            if M.UNIT_TAG in defn.tag_keys:
+                metric = _make(defn)
+                metric.set_default_tags({M.UNIT_TAG: unit})
+                self._m[defn.name] = metric
+        self._reasons: dict[tuple[str, str], dict[str, str]] = {}
+
+    def _tags(self, key: str, value: str) -> dict[str, str]:
+        tags = self._reasons.get((key, value))
+        if tags is None:
+            tags = self._reasons[(key, value)] = {M.UNIT_TAG: self.unit, key: value}
+        return tags
+
+    # ---- EngineObserver ----------------------------------------------------------------------
+    def on_arrival(self) -> None:
+        self._m[M.ARRIVALS.name].inc()
+
+    def on_rejection(self, reason: str) -> None:
+        self._m[M.REJECTIONS.name].inc(1, self._tags("reason", reason))
+
+    def on_step(self, sched: Scheduler, plan: StepPlan, device_time_s: float, step_gap_s: float, now: float) -> None:
+        m = self._m
+        stats = sched.stats.last_step
+        reason = stats.dispatch_reason if stats else "unknown"
+        m[M.DISPATCHES.name].inc(1, self._tags("reason", reason))
+        m[M.BATCH_SIZE.name].observe(plan.num_seqs)
+        m[M.STEP_TIME.name].observe(device_time_s)
+        m[M.MICROWAIT.name].observe(stats.wait_s if stats else 0.0)
+        if plan.num_decode_seqs:
+            m[M.ITL.name].observe(step_gap_s)
+            m[M.GENERATION_TOKENS.name].inc(plan.num_decode_seqs)
+        if stats and stats.num_preempted:
+            m[M.PREEMPTIONS.name].inc(stats.num_preempted, self._tags("reason", "kv_exhausted"))
+        if now >= self._next_gauge:
+            self._next_gauge = now + self.gauge_period_s
+            self.refresh_gauges(sched, now)
+
+    def on_first_token(self, req: Request, now: float) -> None:
+        self._m[M.TTFT.name].observe(now - req.arrival_s)
+        if req.admitted_s is not None:
+            self._m[M.QUEUE_TIME.name].observe(req.admitted_s - req.arrival_s)
+        self._m[M.PROMPT_TOKENS.name].inc(req.num_prompt_tokens)
+        self._m[M.GENERATION_TOKENS.name].inc(1)
+
+    def on_finish(self, req: Request, now: float) -> None:
+        reason = req.finish_reason.value if req.finish_reason else "unknown"
+        self._m[M.FINISHED.name].inc(1, self._tags("reason", reason))
+        if reason != "abort":
+            self._m[M.E2E.name].observe(now - req.arrival_s)
+
+    def on_engine_error(self, kind: str) -> None:
+        self._m[M.ENGINE_ERRORS.name].inc(1, self._tags("kind", kind))
+
+    # ---- gauges ------------------------------------------------------------------------------
+    def refresh_gauges(self, sched: Scheduler, now: float) -> None:
+        m = self._m
+        m[M.RUNNING.name].set(sched.num_running)
+        m[M.WAITING.name].set(sched.num_waiting)
+        m[M.KV_USAGE.name].set(sched.kv_usage())
+        m[M.REGIME.name].set(REGIME_LEVEL[sched.current_regime])
+        m[M.LOAD.name].set(sched.load.load(now))
+        m[M.CAPACITY.name].set(sched.load.capacity_rps())
+        m[M.QUEUE_DELAY.name].set(sched.predicted_queue_delay_s(now))
+        m[M.PADDING_WASTE.name].set(sched.buckets.padding_waste())

@@ -1,0 +1,126 @@
+"""The Router deployment: one serving unit = one core Scheduler + one replica group.
+
+Owns: `Router` (Serve deployment glue around `EngineLoop`): builds the replica group (TP
+workers running the model, or the simulated GPU), sizes the scheduler from it, streams tokens
+to the ingress, reports routing and autoscaling stats, and fails its health check when the
+engine died so Serve rebuilds the unit. No policy decision is made here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from serve_app.config_loader import AppArgs, EngineArgs, scheduler_config
+from serve_app.core import Scheduler
+from serve_app.core.config import ServicePrior
+from serve_app.core.regime import REGIME_LEVEL
+from serve_app.engine_api import GenerateChunk, GenerateRequest, ModelInfo
+from serve_app.engine_loop import EngineLoop
+from serve_app.metrics import UnitMetrics
+
+log = logging.getLogger("tidalserve.router")
+
+
+def build_replica_group(engine: EngineArgs, max_num_batched_tokens: int, buckets: tuple[int, ...]) -> Any:
+    """The executor of one unit and the service prior for its scheduler."""
+    from actors.replica import ReplicaGroup
+    from actors.worker_setup import EngineSpec
+
+    spec = EngineSpec(model=engine.model, tp=engine.tp, device=engine.device, dtype=engine.dtype,
+                      block_size=engine.block_size, max_model_len=engine.max_model_len,
+                      max_num_batched_tokens=max_num_batched_tokens, kv_cache_gb=engine.kv_cache_gb,
+                      gpu_memory_utilization=engine.gpu_memory_utilization, cuda_graph_buckets=buckets,
+                      enforce_eager=engine.enforce_eager)
+    if engine.backend == "sim":
+        from actors.cost_model import CostModel
+        from actors.sim_executor import SimExecutor
+
+        from actors.unit_sizing import kv_cache_blocks
+
+        assert engine.cost_model is not None
+        cost = CostModel.load(engine.cost_model)
+        num_blocks = engine.sim_num_kv_blocks or kv_cache_blocks(tp=cost.tp, block_size=engine.block_size)
+        sim = SimExecutor(cost)
+        sim.num_kv_blocks = num_blocks  # what the replica group reports to the scheduler
+        return ReplicaGroup(spec, backend="sim", sim_executor=sim), cost.service_prior()
+    group = ReplicaGroup(spec, backend="hf", step_timeout_s=engine.step_timeout_s,
+                         compiled_graph=engine.compiled_graph)
+    return group, None
+
+
+@serve.deployment
+class Router:
+    def __init__(self, args: dict[str, Any]) -> None:
+        app = AppArgs.model_validate(args)
+        self.args = app
+        ctx = serve.get_replica_context()
+        self.unit = ctx.replica_id.unique_id if ctx is not None else "local"
+        self.group, prior = build_replica_group(app.engine, app.scheduler.max_num_batched_tokens,
+                                                tuple(app.scheduler.cuda_graph_buckets))
+        cfg = scheduler_config(app.scheduler, num_kv_blocks=self.group.num_kv_blocks,
+                               block_size=self.group.block_size, max_model_len=self.group.max_model_len,
+                               service_prior=prior or ServicePrior())
+        self.scheduler = Scheduler(cfg, now=time.monotonic())
+        self.metrics = UnitMetrics(self.unit)
+        self.loop = EngineLoop(self.scheduler, self.group, self.metrics)
+        self.info = ModelInfo(app.engine.model_id, self.group.max_model_len, tuple(self.group.eos_token_ids),
+                              app.engine.backend)
+        self._gauge_task: asyncio.Task[None] | None = None
+        log.info("unit %s ready: policy %s, %d KV blocks of %d, max_model_len %d", self.unit, cfg.policy,
+                 cfg.num_kv_blocks, cfg.block_size, cfg.max_model_len)
+
+    def _ensure_background(self) -> None:
+        self.loop.start()
+        if self._gauge_task is None:
+            self._gauge_task = asyncio.get_running_loop().create_task(self._refresh_gauges())
+
+    async def _refresh_gauges(self) -> None:
+        while True:  # keeps gauges true while idle (the step hook only runs when steps run)
+            self.metrics.refresh_gauges(self.scheduler, time.monotonic())
+            await asyncio.sleep(1.0)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        self._ensure_background()
+        async for chunk in self.loop.generate(request):
+            yield chunk
+
+    async def model_info(self) -> ModelInfo:
+        return self.info
+
+    async def health(self) -> bool:
+        return self.loop.healthy
+
+    def check_health(self) -> None:
+        """Serve's periodic probe: a failed engine or a dead worker restarts this unit."""
+        if not self.loop.healthy:
+            raise RuntimeError(f"engine failed: {self.loop.failure}")
+        self.group.check_health()
+
+    def _stats(self) -> dict[str, float]:
+        s, now = self.scheduler, time.monotonic()
+        return {
+            "num_running": float(s.num_running),
+            "num_waiting": float(s.num_waiting),
+            "queue_delay_s": s.predicted_queue_delay_s(now),
+            "kv_usage": s.kv_usage(),
+            "load": s.load.load(now),
+            "capacity_rps": s.load.capacity_rps(),
+            "regime": float(REGIME_LEVEL[s.current_regime]),
+        }
+
+    def record_routing_stats(self) -> dict[str, float]:
+        return self._stats()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return self._stats()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.group.shutdown()
