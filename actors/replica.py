@@ -6,9 +6,9 @@ shutdown) and `WorkerFailure`, the one exception a driver sees when a worker die
 Placement: one bundle per rank in a STRICT_PACK placement group (same node: the TP
 collectives are intra-node) - `{"GPU": 1, "CPU": 1}` on GPU nodes, a fractional CPU bundle on
 CPU so TP=2 fits a 2-CPU Ray cluster next to Serve. Every rank gets every plan; rank 0's
-StepResult is returned. Transport: plain actor calls, or a Ray Compiled Graph
-(`compiled_graph=True`, lower per-step overhead, see benchmarks/control_plane.py; its
-actors spin a core while the graph exists, so call `shutdown()`).
+StepResult is returned. Transport: plain actor calls, or a Ray Compiled Graph (lower per-step
+overhead, see benchmarks/control_plane.py; the default on CUDA). Compiled-graph actors spin a
+core while the graph exists, so always call `shutdown()`.
 
 Backends: "hf" runs the real model; "sim" runs the cost model's SimExecutor in-process and
 sleeps its modelled step time (the simulated GPU behind a real Serve deployment).
@@ -39,7 +39,7 @@ class WorkerFailure(RuntimeError):
 
 class ReplicaGroup:
     def __init__(self, spec: EngineSpec, backend: str = "hf", *, step_timeout_s: float = 60.0,
-                 init_timeout_s: float = 600.0, cpus_per_worker: float = 0.01, compiled_graph: bool = False,
+                 init_timeout_s: float = 600.0, cpus_per_worker: float = 0.01, compiled_graph: bool | None = None,
                  sim_executor: Any = None) -> None:
         if backend not in ("hf", "sim"):
             raise ValueError(f"backend={backend!r}: use 'hf' (real model) or 'sim' (cost model)")
@@ -57,7 +57,9 @@ class ReplicaGroup:
             return
         try:
             self.info = self._start(init_timeout_s, cpus_per_worker)
-            if compiled_graph:
+            # Compiled-graph workers spin a core while waiting: a win next to a GPU, a loss on a
+            # CPU box where the same cores run the model. None = on for CUDA only.
+            if compiled_graph or (compiled_graph is None and spec.resolved_device() == "cuda"):
                 self._dag = self._compile()
         except BaseException:
             self.shutdown()
