@@ -1,0 +1,152 @@
+"""What a replay leaves behind: per-request records, the shared summary, per-hour rows and plots.
+
+Owns: `Recorder` (turns each finished request into one `requests.jsonl` line as it finishes, and
+into the arrays of a `loadgen.report.RunOutcomes`), `drift_stats`, and `write_outputs`
+(`summary.json` keyed by the run name in the simulator's schema plus `drift`, `client` and
+`replay` entries; `per_hour.json`; the shared plots from `loadgen.plots`).
+
+Times: every `*_s` in the JSON is wall-clock seconds of the replay, from its start. A trace
+compressed with `time_scale` (0.1 = ten times faster) is played as loaded, so those seconds are
+the trace's own seconds times `time_scale`. Per-hour rows and the timeline plot use *trace*
+hours (3600 * time_scale wall seconds each), so a compressed day still has 24 rows that line up
+with the simulator's. TTFT, TPOT and E2E are measured from the moment the request went on the
+wire; add the drift for the latency a user arriving on schedule would have seen.
+
+Must not import serve_app, actors, ray or torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from loadgen import plots
+from loadgen.client import RequestResult
+from loadgen.records import Trace
+from loadgen.report import ERROR, INCOMPLETE, OK, REJECTED, RunOutcomes, Slo, per_hour, summarize, write_json
+
+ITL_LIST_MAX = 256  # longer streams store summary stats of their inter-token latencies instead
+STATUS_CODES = {"ok": OK, "rejected": REJECTED, "error": ERROR, "incomplete": INCOMPLETE}
+
+
+def _r(value: float, digits: int = 6) -> float | None:
+    return None if value is None or not math.isfinite(value) else round(float(value), digits)
+
+
+def itl_field(itl_ms: list[float]) -> list[float] | dict[str, float]:
+    if len(itl_ms) <= ITL_LIST_MAX:
+        return [round(v, 3) for v in itl_ms]
+    arr = np.asarray(itl_ms)
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return {"n": int(arr.size), "mean": round(float(arr.mean()), 3), "p50": round(float(p50), 3),
+            "p90": round(float(p90), 3), "p99": round(float(p99), 3), "max": round(float(arr.max()), 3)}
+
+
+class Recorder:
+    """Collects results of one replay of `trace` (schedule in wall seconds) started at `start_t`."""
+
+    def __init__(self, trace: Trace, requests_path: Path, start_t: float) -> None:
+        n = len(trace)
+        self.trace = trace
+        self.start_t = start_t
+        self.launched = np.zeros(n, dtype=bool)
+        self.status = np.full(n, INCOMPLETE, dtype=np.int8)
+        self.input_tokens = trace.input_tokens.astype(np.int64).copy()
+        self.output_tokens = np.zeros(n, dtype=np.int64)
+        self.ttft = np.full(n, np.nan)
+        self.e2e = np.full(n, np.nan)
+        self.drift = np.full(n, np.nan)  # on the wire minus scheduled
+        self.dispatch_drift = np.full(n, np.nan)  # task started minus scheduled (event-loop lateness)
+        self.num_recorded = 0
+        requests_path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] = requests_path.open("w", encoding="utf-8")
+
+    def on_launch(self, index: int, now: float) -> float:
+        """Mark `index` launched; returns its dispatch drift in seconds."""
+        self.launched[index] = True
+        drift = now - self.start_t - float(self.trace.arrival_s[index])
+        self.dispatch_drift[index] = drift
+        return drift
+
+    def record(self, res: RequestResult) -> dict[str, Any]:
+        i, t0 = res.index, self.start_t
+        scheduled = float(self.trace.arrival_s[i])
+        sent = res.sent_t - t0 if math.isfinite(res.sent_t) else math.nan
+        ttft = res.first_token_t - res.sent_t if math.isfinite(res.first_token_t) else math.nan
+        e2e = res.end_t - res.sent_t if math.isfinite(res.end_t) else math.nan
+        tpot = (e2e - ttft) / (res.output_tokens - 1) if res.status == "ok" and res.output_tokens >= 2 else math.nan
+        self.status[i] = STATUS_CODES[res.status]
+        self.input_tokens[i] = res.input_tokens
+        self.output_tokens[i] = res.output_tokens
+        self.ttft[i], self.e2e[i], self.drift[i] = ttft, e2e, sent - scheduled
+        self.num_recorded += 1
+        record = {"index": i, "scheduled_s": _r(scheduled), "sent_s": _r(sent), "drift_s": _r(sent - scheduled),
+                  "status": res.status, "http_status": res.http_status, "ttft_s": _r(ttft), "e2e_s": _r(e2e),
+                  "tpot_s": _r(tpot), "itl_ms": itl_field(res.inter_token_ms()), "output_tokens": res.output_tokens,
+                  "input_tokens": res.input_tokens, "requested_output_tokens": int(self.trace.output_tokens[i]),
+                  "usage_reported": res.usage_reported, "retry_after_s": res.retry_after_s, "error": res.error}
+        self._file.write(json.dumps(record) + "\n")
+        return record
+
+    def close(self) -> None:
+        self._file.close()
+
+    def outcomes(self, duration_s: float, gpu_hours: float) -> RunOutcomes:
+        """Outcomes of the launched requests (all of them unless the run was interrupted)."""
+        m = self.launched
+        return RunOutcomes(self.trace.arrival_s[m].astype(np.float64), self.input_tokens[m], self.output_tokens[m],
+                           self.status[m], self.ttft[m], self.e2e[m], duration_s, gpu_hours)
+
+
+def drift_stats(drift_s: NDArray[np.float64], dispatch_s: NDArray[np.float64]) -> dict[str, Any]:
+    """p50/p99/max (ms) of send drift (on the wire minus scheduled) and of event-loop lateness."""
+    d = drift_s[np.isfinite(drift_s)]
+    disp = dispatch_s[np.isfinite(dispatch_s)]
+    if d.size == 0:
+        return {"n": 0, "p50_ms": None, "p99_ms": None, "max_ms": None, "mean_ms": None, "over_50ms": 0,
+                "dispatch_p99_ms": None}
+    p50, p99 = np.percentile(d, [50, 99])
+    return {"n": int(d.size), "p50_ms": round(float(p50) * 1e3, 3), "p99_ms": round(float(p99) * 1e3, 3),
+            "max_ms": round(float(d.max()) * 1e3, 3), "mean_ms": round(float(d.mean()) * 1e3, 3),
+            "over_50ms": int((d > 0.050).sum()),
+            "dispatch_p99_ms": round(float(np.percentile(disp, 99)) * 1e3, 3) if disp.size else None}
+
+
+def write_outputs(out_dir: Path, run_name: str, rec: Recorder, *, slo: Slo, duration_s: float, time_scale: float,
+                  gpus: float, extra: dict[str, Any], plot: bool = True) -> dict[str, Any]:
+    """summary.json, per_hour.json and the plots; returns this run's summary entry."""
+    gpu_hours = gpus * duration_s / 3600.0
+    outcomes = rec.outcomes(duration_s, gpu_hours)
+    summary = summarize(outcomes, slo)
+    summary["drift"] = drift_stats(rec.drift[rec.launched], rec.dispatch_drift[rec.launched])
+    summary.update(extra)
+    hour_s = 3600.0 * time_scale
+    num_hours = max(1, math.ceil(duration_s / hour_s - 1e-9))
+    by_hour = [gpus * min(hour_s, duration_s - h * hour_s) / 3600.0 for h in range(num_hours)]
+    rows = per_hour(outcomes, slo, hour_s=hour_s, gpu_hours_by_hour=by_hour)
+    write_json(out_dir / "summary.json", {run_name: summary})
+    write_json(out_dir / "per_hour.json", {run_name: rows})
+    if plot:
+        _plots(out_dir, run_name, outcomes, rows, slo, time_scale, duration_s)
+    return summary
+
+
+def _plots(out_dir: Path, run_name: str, out: RunOutcomes, rows: list[dict[str, Any]], slo: Slo,
+           time_scale: float, duration_s: float) -> None:
+    trace_s = duration_s / time_scale
+    # About 100 bins whatever the length, 5-minute bins at most (the simulator's choice for a day).
+    bin_s = float(min(300.0, max(1.0, trace_s / 100.0)))
+    plots.plot_timeline(out_dir / "timeline.png", out.arrival_s / time_scale, trace_s, [],
+                        f"{run_name}: offered arrival rate (trace time; played at time_scale {time_scale:g})",
+                        bin_s=bin_s)
+    plots.plot_hourly(out_dir / "ttft_p99_per_hour.png", {run_name: rows}, "ttft_p99_ms", "TTFT p99 (ms)",
+                      f"{run_name}: TTFT p99 per trace hour", log=True, hline=slo.ttft_s * 1000.0)
+    ok = out.status == OK
+    plots.plot_cdf(out_dir / "latency_cdf.png",
+                   {"TTFT": out.ttft_s[ok], "TPOT": out.tpot_s[ok], "E2E": out.e2e_s[ok]},
+                   "seconds (from the request on the wire)", f"{run_name}: latency CDF of completed requests")
