@@ -134,7 +134,7 @@ def _retry_after(value: str | None) -> float | None:
         return None  # an HTTP date; our server sends seconds
 
 
-def _chunk_text(chunk: dict[str, Any]) -> str:
+def chunk_text(chunk: dict[str, Any]) -> str:
     text = []
     for choice in chunk.get("choices") or ():
         if "text" in choice:
@@ -172,7 +172,7 @@ async def _read_stream(response: httpx.Response, result: RequestResult, clock: C
         if not isinstance(chunk, dict) or "error" in chunk:
             result.status, result.error = "error", f"SSE error event: {_error_message(chunk)}"
             return
-        if _chunk_text(chunk):
+        if chunk_text(chunk):
             if not result.chunk_t:
                 result.first_token_t = now
             result.chunk_t.append(now)
