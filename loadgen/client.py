@@ -210,10 +210,11 @@ async def send_request(client: httpx.AsyncClient, config: ClientConfig, spec: Re
     try:
         async with client.stream("POST", config.url, json=body, extensions={"trace": on_trace}) as response:
             result.http_status = response.status_code
+            result.retry_after_s = _retry_after(response.headers.get("retry-after"))  # 429, also 503
             if math.isnan(result.sent_t):
                 result.sent_t = result.dispatch_t  # transports without httpcore tracing
             if response.status_code == 429:
-                result.status, result.retry_after_s = "rejected", _retry_after(response.headers.get("retry-after"))
+                result.status = "rejected"
                 result.error = _error_message(_json_or_text(await response.aread()))
                 result.end_t = clock()
             elif response.status_code != 200:
