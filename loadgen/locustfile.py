@@ -52,7 +52,7 @@ PEAK_USERS = int(_env_float("TIDAL_PEAK_USERS", 50) or 50)
 SPAWN_RATE = _env_float("TIDAL_SPAWN_RATE", 10.0) or 10.0
 BIN_S = _env_float("TIDAL_BIN_S", 300.0) or 300.0
 THINK_S = _env_float("TIDAL_THINK_S", 0.0) or 0.0
-_clip = {k: int(v) for k, v in (("max_input", _env("TIDAL_MAX_INPUT", None)),
+_clip: dict[str, Any] = {k: int(v) for k, v in (("max_input", _env("TIDAL_MAX_INPUT", None)),
                                  ("max_output", _env("TIDAL_MAX_OUTPUT", None))) if v is not None}
 TRACE = load_trace(_env("TIDAL_TRACE", "day-in-life-sharp") or "day-in-life-sharp",
                    hours=_env_float("TIDAL_HOURS", None), seed=int(_env_float("TIDAL_SEED", 0) or 0),
@@ -80,7 +80,7 @@ class TidalDayShape(LoadTestShape):
     users = users_curve(TRACE.arrival_s, TRACE.duration_s, bin_wall_s, PEAK_USERS)
 
     def tick(self) -> tuple[int, float] | None:
-        run_time = self.get_run_time()
+        run_time: float = self.get_run_time()  # type: ignore[no-untyped-call]
         if run_time >= TRACE.duration_s:
             return None
         return self.users[min(int(run_time // self.bin_wall_s), len(self.users) - 1)], SPAWN_RATE

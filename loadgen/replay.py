@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import functools
 import math
 import resource
 import signal
@@ -103,6 +104,10 @@ async def _show_progress(bar: ProgressBar, stats: LiveStats, start_t: float) -> 
         await asyncio.sleep(PROGRESS_EVERY_S)
 
 
+def _call_finish(finish: Callable[[int], None], index: int, _task: asyncio.Task[RequestResult]) -> None:
+    finish(index)
+
+
 def _on_interrupt(stop: asyncio.Event) -> Callable[[], None]:
     """Ctrl-C sets `stop`; returns the undo (a no-op where signals cannot be handled)."""
     loop = asyncio.get_running_loop()
@@ -110,7 +115,11 @@ def _on_interrupt(stop: asyncio.Event) -> Callable[[], None]:
         loop.add_signal_handler(signal.SIGINT, stop.set)
     except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
         return lambda: None
-    return lambda: loop.remove_signal_handler(signal.SIGINT)
+
+    def undo() -> None:
+        loop.remove_signal_handler(signal.SIGINT)
+
+    return undo
 
 
 async def _until(stop: asyncio.Event, aws: set[asyncio.Future[Any]], timeout: float | None) -> bool:
@@ -165,7 +174,7 @@ async def replay_async(trace: Trace, client_config: ClientConfig, config: Replay
             task = asyncio.create_task(coro)
             in_flight[i] = (task, result)
             stats.on_sent(now - start_t, rec.on_launch(i, now))
-            task.add_done_callback(lambda _t, i=i: finish(i))
+            task.add_done_callback(functools.partial(_call_finish, finish, i))
 
         undo = _on_interrupt(stop)
         shower = asyncio.create_task(_show_progress(bar, stats, start_t))
