@@ -1,0 +1,270 @@
+"""The HTTP front door: the FastAPI application and the Ray Serve `Ingress` deployment.
+
+Owns: routes (`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
+`GET /health`), every HTTP error in OpenAI's shape (400 validation / malformed JSON, 404, 405, 413,
+415, 429 and 503 with `Retry-After`, 500 only for bugs), `SSEResponse` (closing it cancels the engine
+request: client disconnects free KV), `HandleEngineClient` (a router `DeploymentHandle` as an
+`EngineClient`) and the `Ingress` deployment, which loads the tokenizer and builds one `OpenAIServer`
+per replica.
+
+Wiring with `@serve.ingress(app)`: Serve runs a frozen copy of the module-level `app`; routes find
+the replica's `OpenAIServer` in `request.app.state`, which `Ingress.__serve_build_asgi_app__`
+fills on that copy after `__init__`. Tests build their own app with `build_app(server)`.
+Deployment options (replicas, CPUs) are the configs' business, not set here.
+
+Must not import: torch at module level (the tokenizer loader is imported inside `Ingress`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+from ray import serve
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from serve_app.engine_api import EngineError, GenerateChunk, GenerateRequest, ModelInfo
+from serve_app.http_limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, error_response
+from serve_app.openai_errors import OpenAIError, server_error, unavailable
+from serve_app.openai_protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelList,
+)
+from serve_app.openai_server import EventStream, OpenAIServer
+from serve_app.openai_validation import format_validation_errors
+
+logger = logging.getLogger(__name__)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text} for status, text in (
+        (400, "Invalid request (names the parameter)"), (413, "Request body too large"),
+        (415, "Content-Type is not application/json"), (429, "Overloaded; see Retry-After"),
+        (500, "Server bug"), (503, "No serving capacity; see Retry-After"), (504, "Request timeout"))
+}
+_SSE = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or an SSE stream when `stream` is true"}}
+
+
+class SSEResponse(StreamingResponse):
+    """An event stream whose body is closed on every exit (end, error, disconnect, cancellation)."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def _json(model: BaseModel, status: int = 200) -> Response:
+    return Response(content=model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def _server(request: Request) -> OpenAIServer:
+    server = getattr(request.app.state, "openai_server", None)
+    if server is None:  # fallback if Serve ever skips __serve_build_asgi_app__: ask the replica itself
+        try:
+            server = getattr(serve.get_replica_context().servable_object, "server", None)
+        except Exception:  # not inside a Serve replica (tests, plain uvicorn)
+            server = None
+    if not isinstance(server, OpenAIServer):
+        raise unavailable("the server is still starting", code="not_ready")
+    return server
+
+
+def _respond(result: BaseModel | EventStream, request_id_header: str) -> Response:
+    if isinstance(result, EventStream):
+        # No proxy buffering, no caching: each event must reach the client when it is produced.
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id_header}
+        return SSEResponse(result, headers=headers)
+    response = _json(result)
+    response.headers["X-Request-Id"] = request_id_header
+    return response
+
+
+def _arrival_s(request: Request) -> float:
+    return float(getattr(request.state, "arrival_s", time.time()))
+
+
+api = APIRouter()
+
+
+@api.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, **_SSE})
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    result = await _server(request).create_completion(body, _arrival_s(request))
+    return _respond(result, result.request_id if isinstance(result, EventStream) else result.id)
+
+
+@api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, **_SSE})
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    result = await _server(request).create_chat_completion(body, _arrival_s(request))
+    return _respond(result, result.request_id if isinstance(result, EventStream) else result.id)
+
+
+@api.get("/v1/models", response_model=ModelList)
+async def list_models(request: Request) -> Response:
+    return _json(_server(request).list_models())
+
+
+@api.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+async def health(request: Request) -> Response:
+    ok = await _server(request).health()
+    return _json(HealthResponse(status="ok" if ok else "unavailable"), 200 if ok else 503)
+
+
+async def _on_openai_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, OpenAIError)
+    return error_response(exc)
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    message, param, code = format_validation_errors(exc.errors())
+    return error_response(OpenAIError(400, message, "invalid_request_error", param, code))
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        err = OpenAIError(404, f"Invalid URL ({where}).", "invalid_request_error", None, "unknown_url")
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        err = OpenAIError(405, f"Method not allowed ({where}); allowed: {allowed}.", "invalid_request_error",
+                          None, "method_not_allowed")
+    else:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        err = OpenAIError(exc.status_code, str(exc.detail), kind, None, None)
+    return error_response(err, exc.headers)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> Response:
+    logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(server_error("internal server error"))
+
+
+def build_app(server: OpenAIServer | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """A FastAPI app with every route and handler; `server` may be attached later via `app.state`."""
+    app = FastAPI(title="tidalserve", version="0.1.0",
+                  description="OpenAI-compatible completions and chat completions (see docs/api.md).")
+    app.state.openai_server = server
+    app.state.max_body_bytes = max_body_bytes
+    app.include_router(api)
+    app.add_middleware(BodyLimitMiddleware)
+    app.add_exception_handler(OpenAIError, _on_openai_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)
+    _document_400_not_422(app)
+    return app
+
+
+def _document_400_not_422(app: FastAPI) -> None:
+    """FastAPI documents 422 for every body; our validation errors are OpenAI's 400."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+app = build_app()
+
+
+class HandleEngineClient:
+    """A router deployment as an `EngineClient`. Serve-level failures become `EngineError` chunks."""
+
+    def __init__(self, router: DeploymentHandle, model_info: ModelInfo) -> None:
+        self._router = router
+        self.model_info = model_info
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        response = self._router.generate.options(stream=True).remote(request)
+        finished = False
+        try:
+            async for chunk in response:
+                yield chunk
+            finished = True
+        except BackPressureError as err:  # the router's max_queued_requests is full
+            yield GenerateChunk(error=EngineError(429, "rate_limit_error", "router_queue_full", str(err), 1.0))
+        except (DeploymentUnavailableError, ReplicaUnavailableError) as err:
+            yield GenerateChunk(error=EngineError(503, "server_error", "engine_unavailable", str(err), 1.0))
+        except Exception:  # a dead actor or a router bug: the client gets a clean 5xx, the log the cause
+            logger.exception("router call for %s failed", request.request_id)
+            yield GenerateChunk(error=EngineError(503, "server_error", "engine_failed",
+                                                  "the serving unit failed; retry", 1.0))
+        finally:
+            if not finished:
+                response.cancel()  # disconnect, stop string, timeout or failure: abort in the router
+
+    async def health(self) -> bool:
+        return bool(await self._router.health.remote())
+
+
+def _settings(model: str | Mapping[str, Any], served_model_name: str | None, max_body_bytes: int | None,
+              request_timeout_s: float | None) -> tuple[str, list[str], int, float | None]:
+    """(model to load the tokenizer of, accepted names, body limit, timeout) from either call form."""
+    if isinstance(model, Mapping):
+        from serve_app.config_loader import AppArgs
+
+        args = AppArgs.model_validate(dict(model))
+        name, served = args.engine.model, args.engine.served_model_name
+        body = args.ingress.max_body_bytes
+        timeout: float | None = args.ingress.request_timeout_s
+    else:
+        name, served, body, timeout = model, None, DEFAULT_MAX_BODY_BYTES, None
+    served = served_model_name or served
+    return (name, [n for n in (served, name) if n], max_body_bytes or body,
+            request_timeout_s if request_timeout_s is not None else timeout)
+
+
+@serve.deployment
+@serve.ingress(app)
+class Ingress:
+    async def __init__(self, router: DeploymentHandle, model: str | Mapping[str, Any] = "smollm2-135m-instruct", *,
+                       served_model_name: str | None = None, max_body_bytes: int | None = None,
+                       request_timeout_s: float | None = None) -> None:
+        from actors import model_loader  # imports torch: only in the replica, not for the schema
+
+        name, aliases, self.max_body_bytes, timeout = _settings(model, served_model_name, max_body_bytes,
+                                                                request_timeout_s)
+        path = await asyncio.to_thread(model_loader.prepare, name)
+        tokenizer = await asyncio.to_thread(model_loader.load_tokenizer, path)
+        info: ModelInfo = await router.model_info.remote()
+        self.server = OpenAIServer(HandleEngineClient(router, info), tokenizer, model_aliases=aliases,
+                                   request_timeout_s=timeout)
+        logger.info("ingress ready: model %r (aliases %s), max_model_len %d", info.model_id, aliases,
+                    info.max_model_len)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        # Serve calls this after __init__ with the frozen copy of `app` already attached.
+        asgi = self.app  # type: ignore[attr-defined]
+        asgi.state.openai_server = self.server
+        asgi.state.max_body_bytes = self.max_body_bytes
+        return asgi

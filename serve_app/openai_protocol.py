@@ -1,0 +1,353 @@
+"""The OpenAI API on the wire: pydantic v2 models for `/v1/completions`, `/v1/chat/completions`,
+`/v1/models` and the error body.
+
+Owns: request models (types, ranges, the parameters we refuse and why), response and stream-chunk
+models in OpenAI's shapes. The shape checks and error messages live in `openai_validation`.
+
+Field types are strict (a JSON string is not a number, 1 is not `true`) and floats reject
+NaN/Infinity: OpenAI rejects these too, and silently coercing them hides client bugs. Unknown
+fields are ignored, as OpenAI does. Checks that need the model (context length, model name, token
+id range) or more than one field live in the server, not here.
+
+Must not import: ray, torch, transformers, fastapi, serve_app.core.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_serializer
+from pydantic_core import PydanticCustomError
+
+from serve_app.openai_validation import check_content, check_prompt, check_role, check_stop
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20  # SamplingParams' bound; OpenAI's own limit is 20 for top_logprobs
+
+Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+
+
+def _unsupported(name: str, shown: str, why: str) -> PydanticCustomError:
+    return PydanticCustomError("unsupported_value", "{name}={shown} is not supported: {why}",
+                               {"name": name, "shown": shown, "why": why})
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI ignores unknown fields; so do we
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: StrictBool = False
+
+
+class SamplingFields(OpenAIModel):
+    """Parameters shared by both endpoints. `None` means "the server default"."""
+
+    model: StrictStr | None = Field(None, description="Served model id (or its alias); defaults to the served model")
+    temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = Field(None, description="0 is greedy; default 1")
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: StrictInt | None = Field(None, description="Extension: keep the k most likely tokens; -1 or 0 disables")
+    n: StrictInt = Field(1, description="Only 1 is supported")
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: StrictStr | list[StrictStr] | None = Field(None, description="Up to 16 non-empty stop strings")
+    seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    presence_penalty: Float | None = Field(None, description="Only 0 is supported")
+    frequency_penalty: Float | None = Field(None, description="Only 0 is supported")
+    repetition_penalty: Float | None = Field(None, description="Extension; only 1 is supported")
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported (must be empty)")
+    user: StrictStr | None = None
+    ignore_eos: StrictBool = Field(False, description="Extension: do not stop at the model's EOS tokens")
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = Field(0, description="Extension: no EOS/stop before this many")
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(None, description="Extension")
+    skip_special_tokens: StrictBool = Field(True, description="Extension: drop special tokens from the text")
+    include_stop_str_in_output: StrictBool = Field(False, description="Extension: keep the matched stop string")
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise _unsupported("n", repr(n), "this server returns one choice per request (n=1)")
+        return n
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_range(cls, k: int | None) -> int | None:
+        if k is not None and k < -1:
+            raise PydanticCustomError("invalid_value", "top_k={k} must be -1 or 0 (disabled) or a positive integer",
+                                      {"k": k})
+        return k
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None, info: Any) -> float | None:
+        if value not in (None, 0.0):
+            raise _unsupported(info.field_name, repr(value), "only 0 is accepted")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, value: float | None) -> float | None:
+        if value not in (None, 1.0):
+            raise _unsupported("repetition_penalty", repr(value), "only 1 is accepted")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise _unsupported("logit_bias", "{...}", "logit bias is not implemented")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, value: Any) -> Any:
+        return check_stop(value)
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingFields):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] = Field(
+        ..., description="A string, a list of one string, a list of token ids, or a list of one list of token ids")
+    max_tokens: PositiveInt | None = Field(None, description="Default 16 (capped to the context left)")
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: StrictBool = Field(False, description="Prepend the prompt to the text (not with logprobs)")
+    suffix: StrictStr | None = Field(None, description="Not supported")
+    best_of: StrictInt | None = Field(None, description="Only 1 is supported")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        return check_prompt(value)
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise _unsupported("suffix", repr(value), "insertion (suffix) is not implemented")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise _unsupported("best_of", repr(value), "only best_of=1 is supported")
+        return value
+
+    def prompt_input(self) -> str | list[int]:
+        """The single prompt as text or token ids (the validator has checked the shape)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        first = p[0]
+        if isinstance(first, str):
+            return first
+        if isinstance(first, list):
+            return list(first)
+        return [int(t) for t in p]  # type: ignore[arg-type]
+
+
+class TextContentPart(OpenAIModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextContentPart]
+    name: StrictStr | None = None
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _role_supported(cls, value: Any) -> Any:
+        return check_role(value)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, value: Any) -> Any:
+        return check_content(value)
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)  # vLLM's joiner for text parts
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: PositiveInt | None = Field(None, description="Deprecated alias of max_completion_tokens")
+    max_completion_tokens: PositiveInt | None = Field(None, description="Default: the context left")
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported (must be empty)")
+    tool_choice: Any = Field(None, description="Only 'none' is accepted")
+    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'}")
+    add_generation_prompt: StrictBool = Field(True, description="Extension: end the template with the "
+                                              "assistant prefix")
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_not_empty(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if not value:
+            raise PydanticCustomError("invalid_value", "messages must not be empty")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise _unsupported("tools", "[...]", "tool calling is not implemented")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "none"):
+            raise _unsupported("tool_choice", repr(value), "tool calling is not implemented")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise _unsupported("response_format", repr(value.get("type")), "only {'type': 'text'} is supported")
+        return value
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---- responses -----------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _only_set(self) -> dict[str, Any]:
+        # OpenAI's deltas carry only what changed: {"role": ..., "content": ""}, {"content": "x"}, {}.
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tidalserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "unavailable"]
