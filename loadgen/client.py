@@ -31,6 +31,7 @@ from loadgen.prompts import build_prompt
 
 # SmolLM2's tokenizer on our prompt passage (docs/traces.md, section 7).
 DEFAULT_WORDS_PER_TOKEN = 0.867
+DEFAULT_KEEPALIVE = 256
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # The httpcore trace event that marks the first byte of a request going on the wire.
 _SEND_EVENT = "http11.send_request_headers.started"
@@ -50,7 +51,7 @@ class ClientConfig:
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 300.0  # longest silence allowed inside one stream
     max_connections: int | None = None
-    max_keepalive: int = 256
+    max_keepalive: int | None = None  # idle connections kept; None: the replay sizes it from the trace
     api_key: str | None = None
     seed: int = 0
 
@@ -104,7 +105,8 @@ class RequestResult:
 
 def make_http_client(config: ClientConfig, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
     """An HTTP/1.1 keep-alive client; by default the pool has no cap, so a send never waits for it."""
-    limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=config.max_keepalive,
+    keepalive = config.max_keepalive if config.max_keepalive is not None else DEFAULT_KEEPALIVE
+    limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=keepalive,
                           keepalive_expiry=30.0)
     timeout = httpx.Timeout(connect=config.connect_timeout_s, read=config.read_timeout_s, write=30.0, pool=None)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}

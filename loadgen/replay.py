@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import functools
 import math
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 from loadgen.client import ClientConfig, RequestResult, RequestSpec, make_http_client, send_request
 from loadgen.progress import LiveStats, ProgressBar
@@ -42,6 +44,7 @@ from loadgen.replay_results import Recorder, write_outputs
 from loadgen.report import Slo
 
 PROGRESS_EVERY_S = 0.5
+KEEPALIVE_WINDOW_S = 10.0
 _YIELD_EVERY = 64  # when behind schedule, let launched tasks run between launches
 
 
@@ -79,6 +82,16 @@ def _raise_fd_limit() -> None:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if hard == resource.RLIM_INFINITY or soft < hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+
+
+def keepalive_for(trace: Trace, window_s: float = KEEPALIVE_WINDOW_S) -> int:
+    """Idle connections worth keeping: the most requests sent in any `window_s` (about the
+    requests in flight at the peak when responses take that long), within [32, 4096]."""
+    arrival = trace.arrival_s
+    if arrival.size == 0:
+        return 32
+    most = int((np.searchsorted(arrival, arrival + window_s, side="left") - np.arange(arrival.size)).max())
+    return max(32, min(4096, most))
 
 
 def _spec(trace: Trace, i: int) -> RequestSpec:
@@ -146,6 +159,8 @@ async def replay_async(trace: Trace, client_config: ClientConfig, config: Replay
     if config.duration_s is not None and config.duration_s < trace.duration_s:
         trace = trace.window(0.0, config.duration_s)
     _raise_fd_limit()
+    if client_config.max_keepalive is None:
+        client_config = dataclasses.replace(client_config, max_keepalive=keepalive_for(trace))
     stats, stop = LiveStats(), asyncio.Event()
     bar = ProgressBar(trace.duration_s, enabled=config.progress, desc=config.run_name)
     in_flight: dict[int, tuple[asyncio.Task[RequestResult], RequestResult]] = {}
