@@ -110,7 +110,7 @@ class ModelRunner:
             tokens.copy_(torch.tensor(out.token_ids))
             lps = {r: lp for r, lp in zip(rids, out.logprobs, strict=True) if lp is not None}
             logprobs = lps or None
-        if self.tp.size > 1:
+        if self.tp.size > 1 and self.tp.collectives:
             dist.broadcast(tokens, group=self.tp.group, group_src=0)
         return dict(zip(rids, tokens.tolist(), strict=True)), logprobs
 

@@ -24,13 +24,16 @@ class TPContext:
     rank: int = 0
     size: int = 1
     group: Any = None
+    # False: build and run one rank's shard alone, collectives skipped (the profiler measures a
+    # TP-N shard on one device; the all-reduce is costed separately).
+    collectives: bool = True
 
     @property
     def is_driver(self) -> bool:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
+        if self.size > 1 and self.collectives:
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -104,6 +107,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
+        if not self.tp.collectives:
+            return F.embedding(ids.remainder(self.count), self.weight)
         local = ids - self.start
         inside = (local >= 0) & (local < self.count)
         out = F.embedding(torch.where(inside, local, 0), self.weight)
@@ -131,6 +136,8 @@ class ParallelLMHead(nn.Module):
         vocab = self.embedding.vocab_size
         if self.tp.size == 1:
             return logits[:, :vocab] if logits.shape[1] != vocab else logits
+        if not self.tp.collectives:
+            return logits  # a lone shard: its own slice stands in for the whole vocabulary
         parts = [torch.empty_like(logits) for _ in range(self.tp.size)] if self.tp.is_driver else None
         dist.gather(logits.contiguous(), parts, group=self.tp.group, group_dst=0)
         if parts is None:
