@@ -53,7 +53,7 @@ class Completion:
 
 def scheduler_config(info: EngineInfo, policy: str = "continuous", **overrides: Any) -> SchedulerConfig:
     base = SchedulerConfig(num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
-                           max_model_len=info.max_model_len)
+                           max_model_len=info.max_model_len, cuda_graph_buckets=info.cuda_graph_buckets)
     return preset(policy, base, **overrides)
 
 

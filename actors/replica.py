@@ -51,9 +51,12 @@ class ReplicaGroup:
         self._dag: Any = None
         self._sim = sim_executor
         if backend == "sim":
-            if sim_executor is None:
-                raise ValueError("backend='sim' needs a SimExecutor (actors/sim_executor.py)")
-            self.info = EngineInfo(sim_executor.num_kv_blocks, spec.block_size, spec.max_model_len, (), None)
+            if sim_executor is None or not sim_executor.num_kv_blocks:
+                raise ValueError("backend='sim' needs a SimExecutor with num_kv_blocks set; "
+                                 "use ReplicaGroup.simulated(...)")
+            eos = (sim_executor.eos_token_id,) if sim_executor.eos_token_id is not None else ()
+            self.info = EngineInfo(sim_executor.num_kv_blocks, spec.block_size, spec.max_model_len, eos, None,
+                                   tuple(spec.cuda_graph_buckets))
             return
         try:
             self.info = self._start(init_timeout_s, cpus_per_worker)
@@ -64,6 +67,22 @@ class ReplicaGroup:
         except BaseException:
             self.shutdown()
             raise
+
+    @classmethod
+    def simulated(cls, spec: EngineSpec, cost_model: Any, num_kv_blocks: int,
+                  eos_token_id: int | None = None) -> ReplicaGroup:
+        """The "sim" backend: a cost model (name, path or CostModel) behind the same interface.
+
+        The device-only form of the cost model is slept: the router loop around it already pays
+        the real host overhead of a step.
+        """
+        from actors.cost_model import CostModel
+        from actors.sim_executor import SimExecutor
+
+        model = cost_model if isinstance(cost_model, CostModel) else CostModel.load(cost_model)
+        sim = SimExecutor(model.device_only(), eos_token_id=eos_token_id)
+        sim.num_kv_blocks = num_kv_blocks
+        return cls(spec, "sim", sim_executor=sim)
 
     # ---- start-up --------------------------------------------------------------------------
     def _start(self, timeout_s: float, cpus_per_worker: float) -> EngineInfo:
@@ -85,9 +104,10 @@ class ReplicaGroup:
                 timeout=timeout_s)
         loaded = ray.get([w.load.remote() for w in self.workers], timeout=timeout_s)
         num_blocks = min(blocks for blocks, _ in loaded)
-        ray.get([w.finish.remote(num_blocks) for w in self.workers], timeout=timeout_s)
+        buckets = ray.get([w.finish.remote(num_blocks) for w in self.workers], timeout=timeout_s)
         info: EngineInfo = loaded[0][1]
-        return EngineInfo(num_blocks, info.block_size, info.max_model_len, info.eos_token_ids, info.model_path)
+        return EngineInfo(num_blocks, info.block_size, info.max_model_len, info.eos_token_ids, info.model_path,
+                          buckets[0])
 
     def _compile(self) -> Any:
         from ray.dag import InputNode, MultiOutputNode
@@ -112,6 +132,11 @@ class ReplicaGroup:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.info.eos_token_ids
+
+    @property
+    def cuda_graph_buckets(self) -> tuple[int, ...]:
+        """Decode batch sizes with a captured graph: the scheduler's `cuda_graph_buckets`."""
+        return self.info.cuda_graph_buckets
 
     # ---- steps ------------------------------------------------------------------------------
     async def execute(self, plan: StepPlan) -> StepResult:

@@ -52,10 +52,12 @@ class TPWorker:
         self.builder = WorkerBuilder(self.spec, TPContext(self.rank, self.world_size, group))
         return self.builder.load()
 
-    def finish(self, num_blocks: int) -> None:
+    def finish(self, num_blocks: int) -> tuple[int, ...]:
+        """Allocate KV (and capture CUDA graphs); returns the captured decode sizes."""
         assert self.builder is not None, "load() first"
         self.runner = self.builder.finish(num_blocks)
         self.builder = None
+        return tuple(sorted(self.runner.graphs.graphs)) if self.runner.graphs is not None else ()
 
     def execute(self, plan: StepPlan) -> StepResult | None:
         assert self.runner is not None, "finish() first"

@@ -64,6 +64,7 @@ class EngineInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     model_path: str | None
+    cuda_graph_buckets: tuple[int, ...] = ()  # captured decode sizes; () = every step eager
 
 
 def _random_hf_config(values: dict[str, Any]) -> Any:
@@ -147,11 +148,19 @@ class WorkerBuilder:
         return ModelRunner(self.model, caches, self.spec.block_size, num_blocks, self.spec.seed, graphs)
 
 
+def with_buckets(info: EngineInfo, runner: ModelRunner) -> EngineInfo:
+    """The engine info plus the CUDA-graph sizes this runner captured (the scheduler pads to them)."""
+    buckets = tuple(sorted(runner.graphs.graphs)) if runner.graphs is not None else ()
+    return EngineInfo(info.num_kv_blocks, info.block_size, info.max_model_len, info.eos_token_ids, info.model_path,
+                      buckets)
+
+
 def build_local_runner(spec: EngineSpec) -> tuple[ModelRunner, EngineInfo]:
     """TP=1 in this process: load, size the KV cache, finish."""
     if spec.tp != 1:
         raise ValueError(f"tp={spec.tp}: an in-process runner is TP=1; use actors.replica.ReplicaGroup")
     builder = WorkerBuilder(spec)
     blocks, info = builder.load()
-    return builder.finish(blocks), info
+    runner = builder.finish(blocks)
+    return runner, with_buckets(info, runner)
 

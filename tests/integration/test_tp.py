@@ -105,3 +105,17 @@ def test_compiled_graph_transport_matches(ray_cluster: None, tiny_path: Path) ->
             group.shutdown()
 
     assert asyncio.run(run()) == expected
+
+
+def test_sim_backend_sleeps_the_modelled_time() -> None:
+    """No Ray needed: the simulated GPU behind the same replica interface."""
+    from actors.worker_setup import EngineSpec
+
+    group = ReplicaGroup.simulated(EngineSpec(max_model_len=4096), "a100-llama70b-tp8", num_kv_blocks=1024)
+    assert group.num_kv_blocks == 1024 and group.max_model_len == 4096
+    new = NewRequestData("s", None, 512, GREEDY, list(range(32)))
+    plan = StepPlan(1, {"s": 512}, {"s": 0}, [new], {}, [], 0, 512, 0, None)
+    result = asyncio.run(group.execute(plan))
+    assert set(result.sampled_token_ids) == {"s"} and result.device_time_s > 0
+    group.check_health()
+    group.shutdown()
