@@ -37,7 +37,7 @@ class ModelRunner:
         self.scratch_block = num_blocks
         self.device = kv_caches[0][0].device
         self.tp = model.tp
-        self.sampler = Sampler(sampler_seed)
+        self.sampler = Sampler(sampler_seed, self.device)
         self.graphs = graphs
         self.use_flash = HAVE_FLASH_ATTN and self.device.type == "cuda" and block_size % 256 == 0
         self.states: dict[str, RequestState] = {}
@@ -106,8 +106,8 @@ class ModelRunner:
             params = [self.states[r].sampling for r in rids]
             if self.keep_logits:
                 self.last_logits = dict(zip(rids, logits.cpu().clone(), strict=True))
-            out = self.sampler.sample(logits.cpu(), params, inputs.sample_positions)
-            tokens.copy_(torch.tensor(out.token_ids))
+            out = self.sampler.sample(logits, params, inputs.sample_positions)
+            tokens.copy_(torch.tensor(out.token_ids, device=self.device))
             lps = {r: lp for r, lp in zip(rids, out.logprobs, strict=True) if lp is not None}
             logprobs = lps or None
         if self.tp.size > 1 and self.tp.collectives:

@@ -42,7 +42,7 @@ class SampleOutput:
 
 def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     vocab = logits.shape[-1]
-    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
     kmax = int(ks.max())
     if kmax >= vocab:
         rows = [i for i, k in enumerate(top_k) if 0 < k < vocab]
@@ -63,23 +63,26 @@ def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     probs = sorted_logits.softmax(dim=-1)
     # Drop a token when the mass strictly before it already reaches p (the top one always stays).
     before = probs.cumsum(dim=-1) - probs
-    drop_sorted = before >= torch.tensor([top_p[i] for i in rows]).unsqueeze(1)
+    drop_sorted = before >= torch.tensor([top_p[i] for i in rows], device=logits.device).unsqueeze(1)
     drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
     logits[rows] = sub.masked_fill_(drop, float("-inf"))
     return logits
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None) -> None:
-        self.generator = torch.Generator()
+    """Samples on the device of the logits (no vocabulary-sized copy to the host on GPU)."""
+
+    def __init__(self, seed: int | None = None, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
         if seed is not None:
             self.generator.manual_seed(seed)
         else:
             self.generator.seed()
-        self._row_gen = torch.Generator()
+        self._row_gen = torch.Generator(device=self.device)
 
     def _noise(self, shape: tuple[int, int], seeds: list[int | None], positions: list[int]) -> torch.Tensor:
-        noise = torch.empty(shape).exponential_(generator=self.generator)
+        noise = torch.empty(shape, device=self.device).exponential_(generator=self.generator)
         for i, seed in enumerate(seeds):
             if seed is not None:
                 self._row_gen.manual_seed((seed * _SEED_STRIDE + positions[i]) % (2**63))
@@ -87,12 +90,13 @@ class Sampler:
         return noise
 
     def sample(self, logits: torch.Tensor, params: list[SamplingLike], positions: list[int]) -> SampleOutput:
-        """logits: float32 [N, vocab] on CPU; positions: index of the token being sampled per row."""
+        """logits: float32 [N, vocab] on the sampler's device; positions: index of the sampled token per row."""
         n = logits.shape[0]
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
-            sub = logits[random_rows] / torch.tensor([params[i].temperature for i in random_rows]).unsqueeze(1)
+            temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
+            sub = logits[random_rows] / temps.unsqueeze(1)
             if any(params[i].top_k > 0 for i in random_rows):
                 sub = _apply_top_k(sub, [params[i].top_k for i in random_rows])
             if any(params[i].top_p < 1.0 for i in random_rows):
