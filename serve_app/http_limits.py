@@ -30,9 +30,7 @@ def error_response(err: OpenAIError, extra_headers: Mapping[str, str] | None = N
     return JSONResponse(err.body_dict(), status_code=err.status, headers=headers)
 
 
-def _is_json(content_type: str | None) -> bool:
-    if content_type is None:
-        return True  # like FastAPI: a body without Content-Type is parsed as JSON
+def _is_json(content_type: str) -> bool:
     mime = content_type.split(";", 1)[0].strip().lower()
     return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
 
@@ -57,11 +55,15 @@ class BodyLimitMiddleware:
         app_state = getattr(scope.get("app"), "state", None)
         limit = int(getattr(app_state, "max_body_bytes", DEFAULT_MAX_BODY_BYTES))
         headers = Headers(scope=scope)
-        if _route_path(scope) in JSON_ENDPOINTS and not _is_json(headers.get("content-type")):
-            err = OpenAIError(415, f"Content-Type {headers.get('content-type')!r} is not supported; send "
-                              "'application/json'.", "invalid_request_error", None, "unsupported_media_type")
-            await error_response(err)(scope, receive, send)
-            return
+        if _route_path(scope) in JSON_ENDPOINTS:
+            content_type = headers.get("content-type")
+            if content_type is None:  # lenient, as OpenAI is: a body without Content-Type is JSON
+                scope = {**scope, "headers": [*scope["headers"], (b"content-type", b"application/json")]}
+            elif not _is_json(content_type):
+                err = OpenAIError(415, f"Content-Type {content_type!r} is not supported; send 'application/json'.",
+                                  "invalid_request_error", None, "unsupported_media_type")
+                await error_response(err)(scope, receive, send)
+                return
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             await error_response(_too_large(limit))(scope, receive, send)

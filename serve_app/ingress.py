@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,8 +29,9 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from serve_app.engine_api import EngineError, GenerateChunk, GenerateRequest, ModelInfo
@@ -49,6 +50,7 @@ from serve_app.openai_server import EventStream, OpenAIServer
 from serve_app.openai_validation import format_validation_errors
 
 logger = logging.getLogger(__name__)
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text} for status, text in (
@@ -56,7 +58,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (415, "Content-Type is not application/json"), (429, "Overloaded; see Retry-After"),
         (500, "Server bug"), (503, "No serving capacity; see Retry-After"), (504, "Request timeout"))
 }
-_SSE = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or an SSE stream when `stream` is true"}}
+_SSE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}}, "description": "JSON, or an SSE stream when `stream` is true"}}
 
 
 class SSEResponse(StreamingResponse):
@@ -67,6 +70,8 @@ class SSEResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except ClientDisconnect:  # an expected end of a stream, not a server error to log
+            logger.debug("client disconnected from %s", scope.get("path"))
         finally:
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
@@ -200,12 +205,13 @@ app = build_app()
 class HandleEngineClient:
     """A router deployment as an `EngineClient`. Serve-level failures become `EngineError` chunks."""
 
-    def __init__(self, router: DeploymentHandle, model_info: ModelInfo) -> None:
+    def __init__(self, router: DeploymentHandle[Any], model_info: ModelInfo) -> None:
         self._router = router
         self.model_info = model_info
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        response = self._router.generate.options(stream=True).remote(request)
+        response = cast(DeploymentResponseGenerator[GenerateChunk],
+                        self._router.generate.options(stream=True).remote(request))
         finished = False
         try:
             async for chunk in response:
@@ -221,7 +227,7 @@ class HandleEngineClient:
                                                   "the serving unit failed; retry", 1.0))
         finally:
             if not finished:
-                response.cancel()  # disconnect, stop string, timeout or failure: abort in the router
+                response.cancel()  # type: ignore[no-untyped-call]  # disconnect, stop string, timeout or failure: abort in the router
 
     async def health(self) -> bool:
         return bool(await self._router.health.remote())
@@ -247,9 +253,11 @@ def _settings(model: str | Mapping[str, Any], served_model_name: str | None, max
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
-    async def __init__(self, router: DeploymentHandle, model: str | Mapping[str, Any] = "smollm2-135m-instruct", *,
-                       served_model_name: str | None = None, max_body_bytes: int | None = None,
-                       request_timeout_s: float | None = None) -> None:
+    async def __init__(  # type: ignore[misc]  # an async constructor: Serve awaits it
+        self, router: DeploymentHandle[Any], model: str | Mapping[str, Any] = DEFAULT_MODEL, *,
+        served_model_name: str | None = None, max_body_bytes: int | None = None,
+        request_timeout_s: float | None = None,
+    ) -> None:
         from actors import model_loader  # imports torch: only in the replica, not for the schema
 
         name, aliases, self.max_body_bytes, timeout = _settings(model, served_model_name, max_body_bytes,

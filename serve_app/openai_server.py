@@ -18,10 +18,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel
 
@@ -138,7 +138,7 @@ class OpenAIServer:
                                       echo_text)
         run = await self._start(request, request_id, ids, request.max_tokens, "max_tokens",
                                 self.default_completion_max_tokens, request.logprobs, renderer, arrival_s, "prompt")
-        return await self._finish(run, request.stream)
+        return cast(CompletionResponse | EventStream, await self._finish(run, request.stream))
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      arrival_s: float | None = None) -> ChatCompletionResponse | EventStream:
@@ -154,7 +154,7 @@ class OpenAIServer:
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         run = await self._start(request, request_id, ids, request.max_new_tokens(), param, None, num_logprobs,
                                 renderer, arrival_s, "messages")
-        return await self._finish(run, request.stream)
+        return cast(ChatCompletionResponse | EventStream, await self._finish(run, request.stream))
 
     # ---- request preparation -------------------------------------------------------------------
 
@@ -201,7 +201,7 @@ class OpenAIServer:
                 max_tokens=max_tokens,
                 temperature=1.0 if request.temperature is None else request.temperature,
                 top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=-1 if request.top_k in (None, 0) else int(request.top_k),  # type: ignore[arg-type]
+                top_k=-1 if request.top_k is None or request.top_k == 0 else request.top_k,
                 seed=request.seed, stop_token_ids=frozenset(stop_ids), ignore_eos=request.ignore_eos,
                 logprobs=logprobs, min_tokens=request.min_tokens)
         except ValueError as err:  # SamplingParams names the value: "min_tokens=9 must be ..."
@@ -224,7 +224,7 @@ class OpenAIServer:
 
     # ---- running -------------------------------------------------------------------------------
 
-    async def _finish(self, run: _Run, stream: bool) -> Any:
+    async def _finish(self, run: _Run, stream: bool) -> BaseModel | EventStream:
         if stream:
             return EventStream(self, run)
         try:
@@ -245,7 +245,7 @@ class OpenAIServer:
                                              run.output.num_tokens)
             chunk = await run.stream.next(run.deadline)
 
-    async def _events(self, run: _Run) -> AsyncIterator[str]:
+    async def _events(self, run: _Run) -> AsyncGenerator[str, None]:
         try:
             for event in run.renderer.preamble():
                 yield sse_event(event, run.include_usage)

@@ -18,7 +18,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from serve_app.engine_api import EngineError, GenerateChunk, GenerateRequest, ModelInfo  # noqa: E402
+from serve_app.engine_api import EngineError, GenerateChunk, GenerateRequest, ModelInfo
 
 MODEL = "smollm2-135m-instruct"
 EOS = 2  # <|im_end|>
@@ -72,7 +72,7 @@ class FakeEngine:
         if request.sampling.logprobs is None:
             return None
         alts = [(100 + k, -2.0 - k) for k in range(self.alternatives)]
-        return [[(t, -0.5)] + alts[: request.sampling.logprobs] for t in ids]
+        return [[(t, -0.5), *alts[:request.sampling.logprobs]] for t in ids]
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         self.requests.append(request)

@@ -73,7 +73,7 @@ def test_incremental_equals_full_decode_for_any_ids(tok: Any, ids: list[int]) ->
 
 
 def test_special_tokens_are_skipped_by_default(tok: Any) -> None:
-    ids = tok.encode("Hi", add_special_tokens=False) + [EOS]
+    ids = [*tok.encode("Hi", add_special_tokens=False), EOS]
     assert "".join(incremental(tok, [], ids)) == "Hi"
 
 
