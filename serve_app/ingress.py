@@ -212,13 +212,18 @@ class HandleEngineClient:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         response = cast(DeploymentResponseGenerator[GenerateChunk],
                         self._router.generate.options(stream=True).remote(request))
-        finished = False
+        finished = False  # the router is done once it sent a finish reason or an error (the contract)
         try:
             async for chunk in response:
+                finished = chunk.finish_reason is not None or chunk.error is not None
                 yield chunk
             finished = True
         except BackPressureError as err:  # the router's max_queued_requests is full
-            yield GenerateChunk(error=EngineError(429, "rate_limit_error", "router_queue_full", str(err), 1.0))
+            # Status and Retry-After come from the Router's `backpressure_config` (Serve's default is 503).
+            status = 429 if getattr(err, "status_code", 503) == 429 else 503
+            kind = "rate_limit_error" if status == 429 else "server_error"
+            yield GenerateChunk(error=EngineError(status, kind, "router_queue_full", str(err),
+                                                  getattr(err, "retry_after_s", None)))
         except (DeploymentUnavailableError, ReplicaUnavailableError) as err:
             yield GenerateChunk(error=EngineError(503, "server_error", "engine_unavailable", str(err), 1.0))
         except Exception:  # a dead actor or a router bug: the client gets a clean 5xx, the log the cause

@@ -12,14 +12,17 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from serve_app.engine_api import EngineError
-from serve_app.ingress import build_app
+from serve_app.core.request import SamplingParams
+from serve_app.engine_api import EngineError, GenerateChunk, GenerateRequest, ModelInfo
+from serve_app.ingress import HandleEngineClient, build_app
 from serve_app.openai_server import OpenAIServer
 from tests.unit.openai_fakes import MODEL, FakeEngine, smollm2_tokenizer
 
 pytestmark = pytest.mark.anyio
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
+INFO = ModelInfo(MODEL, 2048, (2,), "hf")
 
 
 @pytest.fixture
@@ -358,3 +361,79 @@ async def test_cancelled_request_closes_the_engine_generator(tok: Any) -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert engine.closed_early == [engine.requests[0].request_id]
+
+
+# ---- the Serve handle adapter ------------------------------------------------------------------
+
+
+class FakeResponse:
+    """What `handle.generate.options(stream=True).remote(req)` returns: async-iterable, cancellable."""
+
+    def __init__(self, chunks: list[GenerateChunk], error: Exception | None = None) -> None:
+        self.chunks, self.error, self.cancelled = chunks, error, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    async def __aiter__(self) -> AsyncIterator[GenerateChunk]:
+        for chunk in self.chunks:
+            yield chunk
+        if self.error is not None:
+            raise self.error
+
+
+class FakeHandle:
+    def __init__(self, response: FakeResponse) -> None:
+        self.response = response
+        self.generate = self
+        self.health = self
+
+    def options(self, stream: bool = False) -> FakeHandle:
+        assert stream
+        return self
+
+    def remote(self, *args: Any) -> Any:
+        if not args:  # health.remote()
+            future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            future.set_result(True)
+            return future
+        return self.response
+
+
+def gen_request() -> GenerateRequest:
+    return GenerateRequest("r1", [1, 2], SamplingParams(max_tokens=4), 0.0)
+
+
+async def drain(client: HandleEngineClient, limit: int | None = None) -> list[GenerateChunk]:
+    stream = client.generate(gen_request())
+    out = []
+    async for chunk in stream:
+        out.append(chunk)
+        if limit is not None and len(out) >= limit:
+            break
+    await stream.aclose()
+    return out
+
+
+@pytest.mark.parametrize(("error", "status", "code"), [
+    (BackPressureError(10, 10, status_code=429, retry_after_s=2.0), 429, "router_queue_full"),
+    (BackPressureError(10, 10), 503, "router_queue_full"),
+    (DeploymentUnavailableError("Router"), 503, "engine_unavailable"),  # type: ignore[arg-type]
+    (RuntimeError("actor died"), 503, "engine_failed"),
+])
+async def test_handle_client_maps_serve_failures_to_engine_errors(error: Exception, status: int, code: str) -> None:
+    response = FakeResponse([GenerateChunk([5])], error)
+    chunks = await drain(HandleEngineClient(FakeHandle(response), INFO))  # type: ignore[arg-type]
+    assert chunks[0].token_ids == [5] and chunks[1].error is not None
+    assert (chunks[1].error.status, chunks[1].error.code) == (status, code)
+    assert response.cancelled
+
+
+async def test_handle_client_cancels_only_unfinished_requests() -> None:
+    done = FakeResponse([GenerateChunk([5]), GenerateChunk([6], "stop")])
+    assert len(await drain(HandleEngineClient(FakeHandle(done), INFO), limit=2)) == 2  # type: ignore[arg-type]
+    assert not done.cancelled
+    early = FakeResponse([GenerateChunk([5]), GenerateChunk([6]), GenerateChunk([7], "length")])
+    await drain(HandleEngineClient(FakeHandle(early), INFO), limit=1)  # type: ignore[arg-type]
+    assert early.cancelled
+    assert await HandleEngineClient(FakeHandle(done), INFO).health()  # type: ignore[arg-type]
