@@ -37,14 +37,16 @@ from typing import Any
 import httpx
 import numpy as np
 
-from loadgen.client import ClientConfig, RequestResult, RequestSpec, make_http_client, send_request
+from loadgen.client import ClientConfig, HttpClients, RequestResult, RequestSpec, send_request
 from loadgen.progress import LiveStats, ProgressBar
 from loadgen.records import Trace
 from loadgen.replay_results import Recorder, write_outputs
 from loadgen.report import Slo
 
 PROGRESS_EVERY_S = 0.5
-KEEPALIVE_WINDOW_S = 10.0
+PEAK_WINDOW_S = 10.0
+SHARD_CONNECTIONS = 16  # expected connections per httpx pool (see loadgen.client.HttpClients)
+MAX_SHARDS = 256
 _YIELD_EVERY = 64  # when behind schedule, let launched tasks run between launches
 
 
@@ -56,6 +58,7 @@ class ReplayConfig:
     drain_timeout_s: float = 120.0
     slo: Slo = field(default_factory=Slo)
     gpus: float = 0.0  # GPUs behind the server, for gpu_hours (0 when unknown)
+    pool_shards: int | None = None  # httpx clients to spread connections over; None: from the trace
     progress: bool = True
     plots: bool = True
 
@@ -84,14 +87,14 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
 
 
-def keepalive_for(trace: Trace, window_s: float = KEEPALIVE_WINDOW_S) -> int:
-    """Idle connections worth keeping: the most requests sent in any `window_s` (about the
-    requests in flight at the peak when responses take that long), within [32, 4096]."""
+def pool_shards_for(trace: Trace, window_s: float = PEAK_WINDOW_S) -> int:
+    """httpx clients for `trace`: its most requests sent in any `window_s` (about the requests in
+    flight at the peak when responses take that long), SHARD_CONNECTIONS per client, 1 to 256."""
     arrival = trace.arrival_s
     if arrival.size == 0:
-        return 32
+        return 1
     most = int((np.searchsorted(arrival, arrival + window_s, side="left") - np.arange(arrival.size)).max())
-    return max(32, min(4096, most))
+    return max(1, min(MAX_SHARDS, math.ceil(most / SHARD_CONNECTIONS)))
 
 
 def _spec(trace: Trace, i: int) -> RequestSpec:
@@ -159,14 +162,15 @@ async def replay_async(trace: Trace, client_config: ClientConfig, config: Replay
     if config.duration_s is not None and config.duration_s < trace.duration_s:
         trace = trace.window(0.0, config.duration_s)
     _raise_fd_limit()
-    if client_config.max_keepalive is None:
-        client_config = dataclasses.replace(client_config, max_keepalive=keepalive_for(trace))
+    if client_config.max_keepalive is None:  # per shard: twice its share of the peak, to absorb bursts
+        client_config = dataclasses.replace(client_config, max_keepalive=2 * SHARD_CONNECTIONS)
     stats, stop = LiveStats(), asyncio.Event()
     bar = ProgressBar(trace.duration_s, enabled=config.progress, desc=config.run_name)
     in_flight: dict[int, tuple[asyncio.Task[RequestResult], RequestResult]] = {}
     # The client first: building it (TLS context, certificate bundle) takes ~0.1 s, which would
     # otherwise show up as drift on the first requests.
-    async with make_http_client(client_config, transport) as client:
+    shards = config.pool_shards or pool_shards_for(trace)
+    async with HttpClients(client_config, shards, transport) as clients:
         started_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         start_t = time.perf_counter()
         rec = Recorder(trace, out / "requests.jsonl", start_t)
@@ -185,7 +189,8 @@ async def replay_async(trace: Trace, client_config: ClientConfig, config: Replay
             now = time.perf_counter()
             spec = _spec(trace, i)
             result = RequestResult(i, spec.input_tokens)
-            coro: Coroutine[Any, Any, RequestResult] = send_request(client, client_config, spec, result=result)
+            coro: Coroutine[Any, Any, RequestResult] = send_request(clients.for_request(i), client_config, spec,
+                                                                    result=result)
             task = asyncio.create_task(coro)
             in_flight[i] = (task, result)
             stats.on_sent(now - start_t, rec.on_launch(i, now))
@@ -215,8 +220,8 @@ async def replay_async(trace: Trace, client_config: ClientConfig, config: Replay
     bar.close()
     extra = {"client": client_config.as_dict(),
              "replay": {"trace": trace.name, "trace_source": trace.source, "scheduled": len(trace),
-                        "sent": stats.sent, "interrupted": stop.is_set(), "started_at": started_at,
-                        "wall_s": round(wall_s, 3), "time_scale": config.time_scale,
+                        "sent": stats.sent, "interrupted": stop.is_set(), "pool_shards": shards,
+                        "started_at": started_at, "wall_s": round(wall_s, 3), "time_scale": config.time_scale,
                         "duration_s": config.duration_s, "drain_timeout_s": config.drain_timeout_s,
                         "requests_file": "requests.jsonl", "time_unit": "wall seconds from the run start",
                         "slo": asdict(config.slo)}}

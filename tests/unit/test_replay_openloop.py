@@ -15,7 +15,7 @@ import pytest
 
 from loadgen.client import ClientConfig
 from loadgen.records import Trace
-from loadgen.replay import ReplayConfig, ReplayReport, keepalive_for, replay
+from loadgen.replay import ReplayConfig, ReplayReport, pool_shards_for, replay
 from loadgen.report import SUMMARY_KEYS, RunOutcomes, Slo, per_hour, summarize
 from tests.unit.replay_fake_server import Behavior, FakeServer
 
@@ -101,7 +101,8 @@ def test_percentiles_are_ordered_and_the_schema_is_the_simulators(server: FakeSe
     # 0.75 s of wall time at time_scale 0.5 is 1.5 trace seconds: one (trace) hour.
     assert len(hours) == 1 and hours[0]["arrived"] == 30
     assert s["gpu_hours"] == pytest.approx(2.0 * 0.75 / 3600, abs=1e-4)
-    assert s["client"]["max_connections"] is None and s["client"]["max_keepalive"] == 32  # no cap; sized
+    assert s["client"]["max_connections"] is None and s["client"]["max_keepalive"] == 32  # no cap
+    assert s["replay"]["pool_shards"] == 2  # 30 requests in 0.75 s: two clients of ~16 connections
     for png in ("timeline.png", "ttft_p99_per_hour.png", "latency_cdf.png"):
         assert (tmp_path / png).stat().st_size > 1000
 
@@ -128,8 +129,8 @@ def test_long_streams_store_itl_summary_stats(server: FakeServer, tmp_path: Path
     assert long["itl_ms"]["n"] == 399 and long["itl_ms"]["p50"] <= long["itl_ms"]["p99"] <= long["itl_ms"]["max"]
 
 
-def test_keepalive_pool_is_sized_from_the_busiest_window() -> None:
-    assert keepalive_for(_trace(100, 20.0)) == 100  # all 100 within 10 s
-    assert keepalive_for(_trace(3000, 100.0)) in (1000, 1001)  # 100/s for 10 s (an arrival may sit on the edge)
-    assert keepalive_for(_trace(10, 1.0)) == 32  # floor
-    assert keepalive_for(_trace(60000, 1000.0)) == 4096  # ceiling
+def test_pool_shards_follow_the_busiest_window() -> None:
+    assert pool_shards_for(_trace(100, 20.0)) == 7  # all 100 within 10 s: 16 per client
+    assert pool_shards_for(_trace(3000, 100.0)) in (63, 64)  # 100/s for 10 s (an arrival may sit on the edge)
+    assert pool_shards_for(_trace(10, 1.0)) == 1
+    assert pool_shards_for(_trace(60000, 1000.0)) == 256  # ceiling
