@@ -46,6 +46,7 @@ class Log:
     arrivals: list[float] = field(default_factory=list)  # time.perf_counter() at arrival
     bodies: list[dict[str, Any]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
+    client_ports: list[int] = field(default_factory=list)  # one port per TCP connection
     in_flight: int = 0
     max_in_flight: int = 0
 
@@ -97,6 +98,7 @@ class FakeServer:
         body = await request.json()
         log.bodies.append(body)
         log.paths.append(request.url.path)
+        log.client_ports.append(request.client.port if request.client else -1)
         fate = behavior.fate(len(log.arrivals))
         if fate == "reject":
             return JSONResponse({"error": {"message": "overloaded", "type": "rate_limit"}}, status_code=429,

@@ -129,6 +129,13 @@ def test_long_streams_store_itl_summary_stats(server: FakeServer, tmp_path: Path
     assert long["itl_ms"]["n"] == 399 and long["itl_ms"]["p50"] <= long["itl_ms"]["p99"] <= long["itl_ms"]["max"]
 
 
+def test_connections_are_kept_alive_and_reused(server: FakeServer, tmp_path: Path) -> None:
+    # 20 quick requests, one every 50 ms, one pool: each finds the previous one's connection idle.
+    report = _run(server, Behavior(), _trace(20, 20.0, 3), tmp_path, pool_shards=1)
+    assert report.summary["completed"] == 20
+    assert len(set(server.log.client_ports)) <= 3  # not one connection per request
+
+
 def test_pool_shards_follow_the_busiest_window() -> None:
     assert pool_shards_for(_trace(100, 20.0)) == 7  # all 100 within 10 s: 16 per client
     assert pool_shards_for(_trace(3000, 100.0)) in (63, 64)  # 100/s for 10 s (an arrival may sit on the edge)
