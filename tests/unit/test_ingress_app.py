@@ -198,6 +198,22 @@ async def test_openapi_declares_the_request_models(tok: Any) -> None:
     assert {"prompt", "max_tokens", "temperature", "stop", "stream", "logprobs"} <= set(props)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_server_bug_is_a_500_in_openai_shape_not_a_traceback(tok: Any, stream: bool) -> None:
+    class Broken(FakeEngine):
+        async def generate(self, request: Any) -> AsyncIterator[Any]:
+            raise TypeError("bug in the engine client")
+            yield  # an async generator
+
+    engine = Broken(tok)
+    app = build_app(OpenAIServer(engine, tok))
+    transport = httpx.ASGITransport(app, raise_app_exceptions=False)  # Starlette re-raises for the server's log
+    async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as c:
+        resp = await c.post("/v1/completions", json={"prompt": "x", "stream": stream})
+    err = assert_openai_error(resp, 500)
+    assert (err["type"], err["code"]) == ("server_error", "internal_error") and "Traceback" not in resp.text
+
+
 # ---- SSE framing -------------------------------------------------------------------------------
 
 
@@ -249,6 +265,14 @@ async def test_completion_stream_ends_with_finish_and_done(tok: Any) -> None:
     last = json.loads(events[-3][6:])
     assert last["choices"] == [{"index": 0, "text": "one two", "logprobs": None, "finish_reason": "length"}]
     assert "usage" not in last and last["object"] == "text_completion"
+
+
+async def test_completion_stream_echo_comes_first(tok: Any) -> None:
+    app, _ = make_app(tok, reply="two")
+    async with client(app) as c:
+        resp = await c.post("/v1/completions", json={"prompt": "one", "echo": True, "stream": True})
+    texts = [json.loads(e[6:])["choices"][0]["text"] for e in resp.text.split("\n\n")[:-2]]
+    assert texts[0] == "one" and "".join(texts) == "onetwo"
 
 
 # ---- the official client -----------------------------------------------------------------------
