@@ -168,24 +168,25 @@ class CostModel:
                          description=self.description, sources=self.sources, fit=self.fit)
 
     def service_prior(self) -> ServicePrior:
-        """`overhead + a*prefill_tokens + b*decode_seqs`, least squares over typical steps.
+        """`overhead + prefill_step*[prefill] + a*prefill_tokens + b*decode_seqs`, least squares
+        over typical steps (the scheduler's online model, serve_app/core/load.py, starts here).
 
         The grid: pure decodes of 1..max batch at 1024 context (CUDA-graph padded), single
         prefills of 128..2048 tokens, and 32 decodes with a 256..1024-token chunk; each row is
         weighted by 1/time so short steps count as much as long ones.
         """
-        rows: list[tuple[int, int, float]] = []
+        rows: list[tuple[float, ...]] = []
         for d in (1, 2, 4, 8, 16, 32, 64, 128):
-            rows.append((0, d, self.step_time_s((), d, 1024 * d, d if d <= 64 else None)))
+            rows.append((1.0, 0.0, 0.0, d, self.step_time_s((), d, 1024 * d, d if d <= 64 else None)))
         for p in (128, 256, 512, 1024, 2048):
-            rows.append((p, 0, self.step_time_s(((p, 0),), 0, 0, None)))
+            rows.append((1.0, 1.0, p, 0, self.step_time_s(((p, 0),), 0, 0, None)))
         for p in (256, 512, 1024):
-            rows.append((p, 32, self.step_time_s(((p, 1024),), 32, 32 * 1024, None)))
-        overhead, per_token, per_seq = _weighted_lstsq3(rows)
+            rows.append((1.0, 1.0, p, 32, self.step_time_s(((p, 1024),), 32, 32 * 1024, None)))
+        overhead, prefill_step, per_token, per_seq = _weighted_lstsq(rows)
         fallback = ServicePrior()
         return ServicePrior(step_overhead_s=overhead if overhead > 0 else fallback.step_overhead_s,
                             prefill_s_per_token=per_token if per_token > 0 else fallback.prefill_s_per_token,
-                            decode_s_per_seq=max(per_seq, 0.0))
+                            decode_s_per_seq=max(per_seq, 0.0), prefill_step_s=max(prefill_step, 0.0))
 
     # ---- persistence ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -257,28 +258,32 @@ class _Precomputed:
         self.decode_ctx: float = c.decode_ctx_ms_per_token * ms
 
 
-def _weighted_lstsq3(rows: list[tuple[int, int, float]]) -> tuple[float, float, float]:
-    """Least squares for t = o + a*p + b*d with rows weighted by 1/t (normal equations, 3x3)."""
-    ata = [[0.0] * 3 for _ in range(3)]
-    atb = [0.0] * 3
-    for p, d, t in rows:
-        x = (1.0 / t, p / t, d / t)
-        for i in range(3):
+def _weighted_lstsq(rows: list[tuple[float, ...]]) -> tuple[float, ...]:
+    """Least squares for t = sum(c_i * x_i), rows (x_1..x_n, t) weighted by 1/t (normal equations)."""
+    n = len(rows[0]) - 1
+    ata = [[0.0] * n for _ in range(n)]
+    atb = [0.0] * n
+    for row in rows:
+        t = row[n]
+        x = [v / t for v in row[:n]]
+        for i in range(n):
             atb[i] += x[i]  # (t / t)
-            for j in range(3):
+            for j in range(n):
                 ata[i][j] += x[i] * x[j]
-    return _solve3(ata, atb)
+    return _solve(ata, atb)
 
 
-def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float]:
+def _solve(a: list[list[float]], b: list[float]) -> tuple[float, ...]:
+    """Gauss-Jordan with partial pivoting (the systems here are 3x3 or 4x4)."""
+    n = len(b)
     m = [[*row, b[i]] for i, row in enumerate(a)]
-    for col in range(3):
-        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
         m[col], m[pivot] = m[pivot], m[col]
         if m[col][col] == 0.0:
             raise ValueError("service prior fit is singular")
-        for r in range(3):
+        for r in range(n):
             if r != col:
                 f = m[r][col] / m[col][col]
                 m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
-    return m[0][3] / m[0][0], m[1][3] / m[1][1], m[2][3] / m[2][2]
+    return tuple(m[i][n] / m[i][i] for i in range(n))

@@ -117,7 +117,7 @@ def simulate(trace: Trace, config: SimConfig, progress: Callable[[int], None] | 
     seq = 0
     regime_of: dict[int, str] = {}
 
-    def decide(unit: Unit, now: float) -> None:
+    def kick(unit: Unit, now: float) -> None:
         nonlocal seq
         unit.token += 1
         decision = unit.sched.schedule(now)
@@ -152,7 +152,7 @@ def simulate(trace: Trace, config: SimConfig, progress: Callable[[int], None] | 
                 rec.e2e[idx] = now - arrivals[idx]
                 rec.n_out[idx] = len(req.output_token_ids)
                 rec.status[idx] = OK
-        decide(unit, now)
+        kick(unit, now)
 
     def on_arrival(i: int, now: float) -> None:
         unit = fleet.route(now)
@@ -161,7 +161,7 @@ def simulate(trace: Trace, config: SimConfig, progress: Callable[[int], None] | 
             rec.status[i] = REJECTED
             return
         if unit.inflight is None:  # idle, or in a micro-wait: the arrival may change the decision
-            decide(unit, now)
+            kick(unit, now)
 
     i = 0
     next_tick = config.autoscale_interval_s if config.autoscale else INF
@@ -178,7 +178,7 @@ def simulate(trace: Trace, config: SimConfig, progress: Callable[[int], None] | 
         if next_tick <= min(t_arr, t_evt):
             for unit in fleet.tick(next_tick):
                 if unit.inflight is None and unit.sched.has_unfinished:
-                    decide(unit, next_tick)
+                    kick(unit, next_tick)
             next_tick += config.autoscale_interval_s
             continue
         if t_arr <= t_evt:

@@ -119,7 +119,8 @@ class AdmissionConfig:
 
 @dataclass(frozen=True, slots=True)
 class ServicePrior:
-    """Starting guess of the step-time model `t = overhead + a*prefill_tokens + b*decode_seqs`.
+    """Starting guess of the step-time model
+    `t = overhead + prefill_step*[any prefill] + a*prefill_tokens + b*decode_seqs`.
 
     The scheduler refines it online from measured step times (core/load.py); a good prior
     (from the cost model or the profiler) only shortens the warm-up.
@@ -128,12 +129,14 @@ class ServicePrior:
     step_overhead_s: float = 0.030
     prefill_s_per_token: float = 0.00012
     decode_s_per_seq: float = 0.0003
+    prefill_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.step_overhead_s > 0.0, f"service_prior.step_overhead_s={self.step_overhead_s} must be > 0")
         _require(self.prefill_s_per_token > 0.0,
                  f"service_prior.prefill_s_per_token={self.prefill_s_per_token} must be > 0")
         _require(self.decode_s_per_seq >= 0.0, f"service_prior.decode_s_per_seq={self.decode_s_per_seq} must be >= 0")
+        _require(self.prefill_step_s >= 0.0, f"service_prior.prefill_step_s={self.prefill_step_s} must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,12 +9,13 @@ where `arrival_rate` is an exponentially weighted rate of request arrivals (time
 `load_tau_s`) and `service_capacity` is how many requests per second this unit completes
 when saturated:
 
-    capacity = 1 / (prompt_mean * a + output_mean * (overhead + b * B) / B)
+    capacity = 1 / (prompt_mean * a + prefill_step + output_mean * (overhead + b * B) / B)
 
 with `B = min(max_batch_size, KV tokens / (prompt_mean + output_mean))` the batch the unit
-can actually run, `a` the prefill seconds per token, `b` the decode seconds per sequence and
-`overhead` the fixed per-step cost, all fitted by recursive least squares to measured step
-times. `load` is utilisation: 0 idle, 1 at capacity, above 1 in overload. It is not clamped.
+can actually run, `a` the prefill seconds per token, `b` the decode seconds per sequence,
+`overhead` the fixed per-step cost and `prefill_step` the extra fixed cost of a step holding
+prefill, all fitted by recursive least squares to measured step times. `load` is
+utilisation: 0 idle, 1 at capacity, above 1 in overload. It is not clamped.
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """
@@ -51,22 +52,25 @@ class RateEstimator:
 
 
 class ServiceModel:
-    """`step_time = overhead + a * prefill_tokens + b * decode_seqs`, refined online.
+    """`step_time = overhead + prefill_step*[prefill>0] + a*prefill_tokens + b*decode_seqs`, online.
 
+    `prefill_step` is a fixed cost of a step that holds any prefill (measured engines show
+    one: prompt steps cost ~20 ms more than decode steps of similar work on A100 70B).
     Recursive least squares with forgetting; the covariance is bounded so long runs of one
-    step shape (e.g. only decodes at one batch size) cannot wind it up. Coefficients are kept
-    at >= 2% of the prior so the capacity estimate never collapses to zero.
+    step shape (e.g. only decodes at one batch size) cannot wind it up. Coefficients stay
+    at >= 2% of the prior (the fixed prefill cost at >= 0) so capacity never collapses.
     """
 
     __slots__ = ("_floor", "_forget", "_p", "_theta", "_trace_cap", "num_observations")
 
     def __init__(self, prior: ServicePrior, forget: float = 0.998) -> None:
-        self._theta = [prior.step_overhead_s, prior.prefill_s_per_token * _P_SCALE,
+        self._theta = [prior.step_overhead_s, prior.prefill_step_s, prior.prefill_s_per_token * _P_SCALE,
                        prior.decode_s_per_seq * _D_SCALE]
-        self._floor = [0.02 * v for v in self._theta]
-        init = [max(v, 1e-6) ** 2 for v in self._theta]
-        self._p = [[init[0], 0.0, 0.0], [0.0, init[1], 0.0], [0.0, 0.0, init[2]]]
-        self._trace_cap = sum(init)
+        self._floor = [0.02 * self._theta[0], 0.0, 0.02 * self._theta[2], 0.02 * self._theta[3]]
+        scale = max(self._theta[0], 1e-6) ** 2
+        init = [max(v, 1e-3 * self._theta[0]) ** 2 for v in self._theta]
+        self._p = [[init[i] if i == j else 0.0 for j in range(4)] for i in range(4)]
+        self._trace_cap = sum(init) + scale
         self._forget = forget
         self.num_observations = 0
 
@@ -75,45 +79,42 @@ class ServiceModel:
         return self._theta[0]
 
     @property
+    def prefill_step_s(self) -> float:
+        return self._theta[1]
+
+    @property
     def prefill_s_per_token(self) -> float:
-        return self._theta[1] / _P_SCALE
+        return self._theta[2] / _P_SCALE
 
     @property
     def decode_s_per_seq(self) -> float:
-        return self._theta[2] / _D_SCALE
+        return self._theta[3] / _D_SCALE
 
     def step_time(self, prefill_tokens: int, decode_seqs: int) -> float:
         th = self._theta
-        return th[0] + th[1] * (prefill_tokens / _P_SCALE) + th[2] * (decode_seqs / _D_SCALE)
+        fixed = th[0] + th[1] if prefill_tokens > 0 else th[0]
+        return fixed + th[2] * (prefill_tokens / _P_SCALE) + th[3] * (decode_seqs / _D_SCALE)
 
     def observe(self, prefill_tokens: int, decode_seqs: int, device_time_s: float) -> None:
         if device_time_s <= 0.0 or not math.isfinite(device_time_s):
             return
-        x0, x1, x2 = 1.0, prefill_tokens / _P_SCALE, decode_seqs / _D_SCALE
-        p = self._p
-        px0 = p[0][0] * x0 + p[0][1] * x1 + p[0][2] * x2
-        px1 = p[1][0] * x0 + p[1][1] * x1 + p[1][2] * x2
-        px2 = p[2][0] * x0 + p[2][1] * x1 + p[2][2] * x2
-        denom = self._forget + x0 * px0 + x1 * px1 + x2 * px2
-        k0, k1, k2 = px0 / denom, px1 / denom, px2 / denom
-        th = self._theta
-        err = device_time_s - (th[0] * x0 + th[1] * x1 + th[2] * x2)
-        th[0] = max(self._floor[0], th[0] + k0 * err)
-        th[1] = max(self._floor[1], th[1] + k1 * err)
-        th[2] = max(self._floor[2], th[2] + k2 * err)
-        # P <- (P - k px^T) / forget, then bounded; P stays symmetric so rows are rebuilt whole.
+        x = (1.0, 1.0 if prefill_tokens > 0 else 0.0, prefill_tokens / _P_SCALE, decode_seqs / _D_SCALE)
+        p, th = self._p, self._theta
+        px = [p[i][0] * x[0] + p[i][1] * x[1] + p[i][2] * x[2] + p[i][3] * x[3] for i in range(4)]
+        denom = self._forget + x[0] * px[0] + x[1] * px[1] + x[2] * px[2] + x[3] * px[3]
+        k = [v / denom for v in px]
+        err = device_time_s - (th[0] * x[0] + th[1] * x[1] + th[2] * x[2] + th[3] * x[3])
+        floor = self._floor
+        for i in range(4):
+            th[i] = max(floor[i], th[i] + k[i] * err)
+        # P <- (P - k px^T) / forget (symmetric), then bounded against wind-up.
         inv_f = 1.0 / self._forget
-        a00 = (p[0][0] - k0 * px0) * inv_f
-        a01 = (p[0][1] - k0 * px1) * inv_f
-        a02 = (p[0][2] - k0 * px2) * inv_f
-        a11 = (p[1][1] - k1 * px1) * inv_f
-        a12 = (p[1][2] - k1 * px2) * inv_f
-        a22 = (p[2][2] - k2 * px2) * inv_f
-        trace = a00 + a11 + a22
+        new = [[(p[i][j] - k[i] * px[j]) * inv_f for j in range(4)] for i in range(4)]
+        trace = new[0][0] + new[1][1] + new[2][2] + new[3][3]
         if trace > self._trace_cap:
             s = self._trace_cap / trace
-            a00, a01, a02, a11, a12, a22 = a00 * s, a01 * s, a02 * s, a11 * s, a12 * s, a22 * s
-        self._p = [[a00, a01, a02], [a01, a11, a12], [a02, a12, a22]]
+            new = [[v * s for v in row] for row in new]
+        self._p = new
         self.num_observations += 1
 
     def drain_time(self, prefill_tokens: int, decode_seqs: int, prefill_tokens_per_step: int) -> float:
@@ -122,7 +123,7 @@ class ServiceModel:
             return 0.0
         per_step = max(1, prefill_tokens_per_step)
         steps = -(-prefill_tokens // per_step)
-        per_step_s = self.overhead_s + self.decode_s_per_seq * decode_seqs
+        per_step_s = self.overhead_s + self.prefill_step_s + self.decode_s_per_seq * decode_seqs
         return steps * per_step_s + self.prefill_s_per_token * prefill_tokens
 
 
@@ -190,7 +191,8 @@ class LoadEstimator:
         """Requests per second this unit completes when saturated with the current mix."""
         svc = self.service
         batch = self.effective_batch()
-        per_request_s = (self._prompt_mean * svc.prefill_s_per_token
+        # The fixed cost of a prefill step is charged once per request (prompts rarely share one).
+        per_request_s = (self._prompt_mean * svc.prefill_s_per_token + svc.prefill_step_s
                          + max(1.0, self._output_mean) * (svc.overhead_s + svc.decode_s_per_seq * batch) / batch)
         return 1.0 / per_request_s if per_request_s > 0 else math.inf
 
