@@ -53,6 +53,16 @@ OFFLOAD_CHARS = 8192
 Renderer = CompletionRenderer | ChatRenderer
 
 
+@dataclass(frozen=True)
+class _Budget:
+    """How many tokens a request may generate: what it asked (under which name) and the default."""
+
+    asked: int | None
+    param: str  # "max_tokens" or "max_completion_tokens": named in errors
+    default: int | None  # None: whatever context is left
+    prompt_param: str  # "prompt" or "messages"
+
+
 @dataclass
 class _Run:
     """One admitted request: its engine stream (first chunk read) and how to render it."""
@@ -136,8 +146,8 @@ class OpenAIServer:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         renderer = CompletionRenderer(request_id, self.model_id, int(arrival_s), self.strings, request.logprobs,
                                       echo_text)
-        run = await self._start(request, request_id, ids, request.max_tokens, "max_tokens",
-                                self.default_completion_max_tokens, request.logprobs, renderer, arrival_s, "prompt")
+        budget = _Budget(request.max_tokens, "max_tokens", self.default_completion_max_tokens, "prompt")
+        run = await self._start(request, ids, budget, request.logprobs, renderer, arrival_s)
         return cast(CompletionResponse | EventStream, await self._finish(run, request.stream))
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
@@ -152,8 +162,8 @@ class OpenAIServer:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         renderer = ChatRenderer(request_id, self.model_id, int(arrival_s), self.strings, num_logprobs)
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        run = await self._start(request, request_id, ids, request.max_new_tokens(), param, None, num_logprobs,
-                                renderer, arrival_s, "messages")
+        budget = _Budget(request.max_new_tokens(), param, None, "messages")
+        run = await self._start(request, ids, budget, num_logprobs, renderer, arrival_s)
         return cast(ChatCompletionResponse | EventStream, await self._finish(run, request.stream))
 
     # ---- request preparation -------------------------------------------------------------------
@@ -171,8 +181,8 @@ class OpenAIServer:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    def _max_tokens(self, num_prompt: int, asked: int | None, param: str, default: int | None,
-                    prompt_param: str) -> int:
+    def _max_tokens(self, num_prompt: int, budget: _Budget) -> int:
+        asked, param, prompt_param = budget.asked, budget.param, budget.prompt_param
         limit = self.info.max_model_len
         if num_prompt >= limit:
             raise bad_request(f"The prompt is {num_prompt} tokens long, but this model's maximum context length is "
@@ -180,7 +190,7 @@ class OpenAIServer:
                               f"{prompt_param}.", prompt_param, "context_length_exceeded")
         room = limit - num_prompt
         if asked is None:
-            return room if default is None else min(default, room)
+            return room if budget.default is None else min(budget.default, room)
         if num_prompt + asked > limit:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
                               f"{num_prompt + asked} tokens ({num_prompt} in the {prompt_param}, {asked} in "
@@ -208,10 +218,9 @@ class OpenAIServer:
             message = str(err)
             raise bad_request(message, message.split("=", 1)[0] if "=" in message else None) from err
 
-    async def _start(self, request: SamplingFields, request_id: str, ids: list[int], asked: int | None, param: str,
-                     default: int | None, logprobs: int | None, renderer: Renderer, arrival_s: float,
-                     prompt_param: str) -> _Run:
-        max_tokens = self._max_tokens(len(ids), asked, param, default, prompt_param)
+    async def _start(self, request: SamplingFields, ids: list[int], budget: _Budget, logprobs: int | None,
+                     renderer: Renderer, arrival_s: float) -> _Run:
+        max_tokens = self._max_tokens(len(ids), budget)
         sampling = self._sampling(request, max_tokens, logprobs)
         output = OutputText(self.tokenizer, ids, request.stop_strings(),
                             include_stop=request.include_stop_str_in_output, min_tokens=request.min_tokens,
@@ -219,7 +228,8 @@ class OpenAIServer:
         deadline = None
         if self.request_timeout_s is not None:
             deadline = asyncio.get_running_loop().time() + self.request_timeout_s
-        stream, first = await open_stream(self.engine, GenerateRequest(request_id, ids, sampling, arrival_s), deadline)
+        generate = GenerateRequest(renderer.request_id, ids, sampling, arrival_s)
+        stream, first = await open_stream(self.engine, generate, deadline)
         return _Run(stream, first, output, renderer, len(ids), request.include_usage, deadline)
 
     # ---- running -------------------------------------------------------------------------------
