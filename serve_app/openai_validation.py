@@ -24,6 +24,16 @@ def _error(error_type: str, message: str, **ctx: Any) -> PydanticCustomError:
     return PydanticCustomError(error_type, message, ctx or None)
 
 
+def _text(value: str, what: str) -> str:
+    """JSON may carry lone surrogates (\\ud800); they are not text and no tokenizer can encode them."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _error("invalid_value", "{what} must be valid Unicode text (it holds a lone surrogate)",
+                     what=what) from None
+    return value
+
+
 def _is_token_id(value: Any) -> bool:
     return type(value) is int  # bool is an int subclass and is not a token id
 
@@ -34,7 +44,7 @@ def check_prompt(value: Any) -> Any:
     if isinstance(value, str):
         if not value:
             raise _error("invalid_value", "prompt must not be empty")
-        return value
+        return _text(value, "prompt")
     if not isinstance(value, list):
         raise _error("invalid_type", shape)
     if not value:
@@ -50,6 +60,8 @@ def check_prompt(value: Any) -> Any:
             raise _error("invalid_value", "prompt must not be empty")
         if isinstance(inner, list) and not all(_is_token_id(t) for t in inner):
             raise _error("invalid_type", "prompt token ids must be integers")
+        if isinstance(inner, str):
+            _text(inner, "prompt")
         return value
     raise _error("invalid_type", shape)
 
@@ -65,6 +77,8 @@ def check_stop(value: Any) -> Any:
                      max=MAX_STOP_STRINGS)
     if any(not s for s in items):
         raise _error("invalid_value", "stop strings must not be empty")
+    for item in items:
+        _text(item, "stop")
     return value
 
 
@@ -79,7 +93,7 @@ def check_content(value: Any) -> Any:
     if value is None:
         raise _error("invalid_value", "content is required (assistant tool calls are not supported)")
     if isinstance(value, str):
-        return value
+        return _text(value, "content")
     if not isinstance(value, list):
         raise _error("invalid_type", "content must be a string or a list of content parts")
     for part in value:
@@ -89,6 +103,8 @@ def check_content(value: Any) -> Any:
         if kind != "text":
             raise _error("unsupported_value", "content part type {kind} is not supported; only 'text'",
                          kind=repr(kind))
+        if isinstance(part.get("text"), str):
+            _text(part["text"], "content")
     return value
 
 

@@ -88,12 +88,16 @@ async def test_context_error_says_both_numbers(tok: Any) -> None:
     assert "64 tokens" in err["message"] and "65 tokens" in err["message"] and err["code"] == "context_length_exceeded"
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b'{"prompt": "x",}'])
-async def test_malformed_bodies_are_400(tok: Any, raw: bytes) -> None:
+@pytest.mark.parametrize(("raw", "param"), [
+    (b"{not json", None), (b"", None), (b"[1, 2]", None), (b'{"prompt": "x",}', None), (b"\xff\xfe", None),
+    (b'{"prompt": "\\ud800"}', "prompt"),  # valid JSON, not text: the tokenizer would raise
+    (b'{"prompt": "x", "temperature": NaN}', "temperature"),  # Python's json accepts NaN; we do not
+])
+async def test_malformed_bodies_are_400(tok: Any, raw: bytes, param: str | None) -> None:
     app, _ = make_app(tok)
     async with client(app) as c:
         resp = await c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
-    err = assert_openai_error(resp, 400)
+    err = assert_openai_error(resp, 400, param)
     assert err["type"] == "invalid_request_error" and err["message"]
 
 

@@ -88,6 +88,20 @@ def test_prompt_forms(prompt: Any, expected: Any) -> None:
     assert CompletionRequest.model_validate({"prompt": prompt}).prompt_input() == expected
 
 
+@pytest.mark.parametrize(("model", "body", "param"), [
+    (CompletionRequest, {"prompt": "a\ud800b"}, "prompt"),
+    (CompletionRequest, {"prompt": ["\udfff"]}, "prompt"),
+    (CompletionRequest, {"prompt": "x", "stop": ["\ud800"]}, "stop"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages[0].content"),
+])
+def test_lone_surrogates_are_refused(model: type[Any], body: dict[str, Any], param: str) -> None:
+    # Valid JSON ("\\ud800"), but not text: the tokenizer would raise, and that must not be a 500.
+    message, got_param, _ = rejection(model, body)
+    assert got_param == param and "lone surrogate" in message
+
+
 def test_missing_prompt_and_body() -> None:
     message, param, code = rejection(CompletionRequest, {})
     assert (param, code) == ("prompt", "missing") and "Missing required parameter 'prompt'" in message
