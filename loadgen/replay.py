@@ -169,7 +169,8 @@ async def replay_async(trace: Trace, client_config: ClientConfig, config: Replay
     in_flight: dict[int, tuple[asyncio.Task[RequestResult], RequestResult]] = {}
     # The client first: building it (TLS context, certificate bundle) takes ~0.1 s, which would
     # otherwise show up as drift on the first requests.
-    shards = config.pool_shards or pool_shards_for(trace)
+    # A connection cap is meant for the whole client: keep one pool then.
+    shards = config.pool_shards or (1 if client_config.max_connections is not None else pool_shards_for(trace))
     async with HttpClients(client_config, shards, transport) as clients:
         started_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         start_t = time.perf_counter()
