@@ -2,14 +2,13 @@
 
 Owns: the argument parsing of replay and compare and `register(subparsers)`, which `tidal_cli`
 calls. The heavy modules (httpx, matplotlib, the replay driver) load only when a command runs,
-so `tidal --help` stays fast. Must not import serve_app or actors; loadgen.sim.cli (which may)
-is imported only inside `register`.
+so `tidal --help` stays fast. Must not import serve_app or actors; loadgen.sim.cli (which loads
+serve_app.core) is imported only inside `register`.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import re
 import sys
 from typing import Any
@@ -30,14 +29,10 @@ def parse_duration(text: str) -> float:
 
 
 def register(sub: Any) -> None:
+    from loadgen.sim import cli as sim_cli  # here, not at the top: it loads serve_app.core
+
     _register_replay(sub)
     _register_compare(sub)
-    try:
-        sim_cli = importlib.import_module("loadgen.sim.cli")
-    except ModuleNotFoundError as exc:
-        if exc.name != "loadgen.sim.cli":
-            raise
-        return  # the simulator's commands are not there yet
     sim_cli.register(sub)
 
 

@@ -89,7 +89,7 @@ def test_cli_registers_replay_compare_and_the_simulator(tmp_path: Path, replay_d
     parser = argparse.ArgumentParser(prog="tidal")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
-    assert {"replay", "compare"} <= set(sub.choices)
+    assert {"replay", "compare", "simulate", "study"} <= set(sub.choices)
     args = parser.parse_args(["replay", "--url", "http://127.0.0.1:1", "--trace", "azure-conv", "--out", "o",
                               "--duration", "15m", "--time-scale", "0.1", "--endpoint", "chat"])
     assert args.duration == 900.0 and args.time_scale == 0.1 and args.words_per_token is None
