@@ -174,7 +174,7 @@ async def replay_async(trace: Trace, client_config: ClientConfig, config: Replay
     async with HttpClients(client_config, shards, transport) as clients:
         started_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         start_t = time.perf_counter()
-        rec = Recorder(trace, out / "requests.jsonl", start_t)
+        rec = Recorder(trace, out / "requests.jsonl", start_t, config.time_scale)
 
         def finish(i: int) -> None:
             task, result = in_flight.pop(i)

@@ -9,8 +9,9 @@ Times: every `*_s` in the JSON is wall-clock seconds of the replay, from its sta
 compressed with `time_scale` (0.1 = ten times faster) is played as loaded, so those seconds are
 the trace's own seconds times `time_scale`. Per-hour rows and the timeline plot use *trace*
 hours (3600 * time_scale wall seconds each), so a compressed day still has 24 rows that line up
-with the simulator's. TTFT, TPOT and E2E are measured from the moment the request went on the
-wire; add the drift for the latency a user arriving on schedule would have seen.
+with the simulator's; each request's `trace_s` is its arrival on the uncompressed trace's
+clock (`scheduled_s / time_scale`). TTFT, TPOT and E2E are measured from the moment the request
+went on the wire; add the drift for the latency a user arriving on schedule would have seen.
 
 Must not import serve_app, actors, ray or torch.
 """
@@ -50,10 +51,11 @@ def itl_field(itl_ms: list[float]) -> list[float] | dict[str, float]:
 class Recorder:
     """Collects results of one replay of `trace` (schedule in wall seconds) started at `start_t`."""
 
-    def __init__(self, trace: Trace, requests_path: Path, start_t: float) -> None:
+    def __init__(self, trace: Trace, requests_path: Path, start_t: float, time_scale: float = 1.0) -> None:
         n = len(trace)
         self.trace = trace
         self.start_t = start_t
+        self.time_scale = time_scale
         self.launched = np.zeros(n, dtype=bool)
         self.status = np.full(n, INCOMPLETE, dtype=np.int8)
         self.input_tokens = trace.input_tokens.astype(np.int64).copy()
@@ -85,7 +87,8 @@ class Recorder:
         self.output_tokens[i] = res.output_tokens
         self.ttft[i], self.e2e[i], self.drift[i] = ttft, e2e, sent - scheduled
         self.num_recorded += 1
-        record = {"index": i, "scheduled_s": _r(scheduled), "sent_s": _r(sent), "drift_s": _r(sent - scheduled),
+        record = {"index": i, "scheduled_s": _r(scheduled), "trace_s": _r(scheduled / self.time_scale),
+                  "sent_s": _r(sent), "drift_s": _r(sent - scheduled),
                   "status": res.status, "http_status": res.http_status, "ttft_s": _r(ttft), "e2e_s": _r(e2e),
                   "tpot_s": _r(tpot), "itl_ms": itl_field(res.inter_token_ms()), "output_tokens": res.output_tokens,
                   "input_tokens": res.input_tokens, "requested_output_tokens": int(self.trace.output_tokens[i]),

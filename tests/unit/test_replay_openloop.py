@@ -113,6 +113,7 @@ def test_per_hour_rows_are_trace_hours(server: FakeServer, tmp_path: Path) -> No
     report = _run(server, Behavior(), trace, tmp_path, time_scale=1e-4)
     hours = json.loads((tmp_path / "per_hour.json").read_text())["replay"]
     assert [r["hour"] for r in hours] == [0, 1, 2] and [r["arrived"] for r in hours] == [6, 6, 6]
+    assert [r["trace_s"] for r in _records(tmp_path)] == pytest.approx(list(trace.arrival_s / 1e-4))
     assert report.summary["completed"] == 18
 
 
