@@ -48,7 +48,8 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope.setdefault("state", {})["arrival_s"] = time.time()
+        # A fresh dict: servers may hand every request the same lifespan-state mapping.
+        scope["state"] = {**scope.get("state", {}), "arrival_s": time.time()}
         if scope["method"] not in _BODY_METHODS:
             await self.app(scope, receive, send)
             return
