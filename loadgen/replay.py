@@ -156,15 +156,21 @@ async def _until(stop: asyncio.Event, aws: set[asyncio.Future[Any]], timeout: fl
 
 
 async def replay_async(trace: Trace, client_config: ClientConfig, config: ReplayConfig, out_dir: str | Path,
-                       transport: httpx.AsyncBaseTransport | None = None) -> ReplayReport:
-    """Play `trace` (arrival times in wall seconds from the start) open loop; write the results."""
+                       transport: httpx.AsyncBaseTransport | None = None,
+                       stop: asyncio.Event | None = None) -> ReplayReport:
+    """Play `trace` (arrival times in wall seconds from the start) open loop; write the results.
+
+    Setting `stop` (or Ctrl-C) ends the run early as an interruption: no more sends, requests in
+    flight cancelled (incomplete), results written.
+    """
     out = Path(out_dir)
     if config.duration_s is not None and config.duration_s < trace.duration_s:
         trace = trace.window(0.0, config.duration_s)
     _raise_fd_limit()
     if client_config.max_keepalive is None:  # per shard: twice its share of the peak, to absorb bursts
         client_config = dataclasses.replace(client_config, max_keepalive=2 * SHARD_CONNECTIONS)
-    stats, stop = LiveStats(), asyncio.Event()
+    stats = LiveStats()
+    stop = stop if stop is not None else asyncio.Event()
     bar = ProgressBar(trace.duration_s, enabled=config.progress, desc=config.run_name)
     in_flight: dict[int, tuple[asyncio.Task[RequestResult], RequestResult]] = {}
     # The client first: building it (TLS context, certificate bundle) takes ~0.1 s, which would

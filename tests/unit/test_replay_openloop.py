@@ -5,6 +5,7 @@ The fake server listens on a real 127.0.0.1 socket; the replay drives it over HT
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 
 from loadgen.client import ClientConfig
 from loadgen.records import Trace
-from loadgen.replay import ReplayConfig, ReplayReport, pool_shards_for, replay
+from loadgen.replay import ReplayConfig, ReplayReport, pool_shards_for, replay, replay_async
 from loadgen.report import SUMMARY_KEYS, RunOutcomes, Slo, per_hour, summarize
 from tests.unit.replay_fake_server import Behavior, FakeServer
 
@@ -121,6 +122,22 @@ def test_duration_cuts_the_schedule(server: FakeServer, tmp_path: Path) -> None:
     report = _run(server, Behavior(), _trace(40, 40.0, 2), tmp_path, duration_s=0.5)
     assert report.sent == 20 == report.summary["arrived"] and report.summary["duration_s"] == 0.5
     assert report.summary["replay"]["scheduled"] == 20
+
+
+def test_stopping_early_cancels_in_flight_and_still_writes_everything(server: FakeServer, tmp_path: Path) -> None:
+    server.reset(Behavior(first_token_delay_s=5.0))
+
+    async def go() -> ReplayReport:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.5, stop.set)
+        return await replay_async(_trace(40, 20.0), ClientConfig(server.url, model="m"),
+                                  ReplayConfig(progress=False, plots=False), tmp_path, stop=stop)
+
+    report = asyncio.run(go())
+    s = report.summary
+    assert report.interrupted and s["replay"]["interrupted"]
+    assert 0 < report.sent < 40 and s["arrived"] == report.sent == s["incomplete"]
+    assert len(_records(tmp_path)) == report.sent
 
 
 def test_long_streams_store_itl_summary_stats(server: FakeServer, tmp_path: Path) -> None:
