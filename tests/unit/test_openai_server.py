@@ -72,6 +72,21 @@ def test_incremental_equals_full_decode_for_any_ids(tok: Any, ids: list[int]) ->
     assert "".join(incremental(tok, [], ids)) == tok.decode(ids, skip_special_tokens=True)
 
 
+def test_sentencepiece_spacing_comes_from_the_prompt_context() -> None:
+    """Metaspace ("▁word") tokenizers drop a token's leading space when it is decoded alone."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", "▁Hello", "▁world", "▁again", "!"]
+    backend = Tokenizer(models.Unigram([(p, -1.0) for p in pieces], unk_id=0))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    sp = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    ids = sp.encode("Hello world again!", add_special_tokens=False)
+    assert [sp.decode([i]) for i in ids] == ["Hello", "world", "again", "!"]  # per-token decode loses spaces
+    assert incremental(sp, ids[:1], ids[1:]) == [" world", " again", "!", ""]
+
+
 def test_special_tokens_are_skipped_by_default(tok: Any) -> None:
     ids = [*tok.encode("Hi", add_special_tokens=False), EOS]
     assert "".join(incremental(tok, [], ids)) == "Hi"
