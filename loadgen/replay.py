@@ -120,10 +120,6 @@ async def _show_progress(bar: ProgressBar, stats: LiveStats, start_t: float) -> 
         await asyncio.sleep(PROGRESS_EVERY_S)
 
 
-def _call_finish(finish: Callable[[int], None], index: int, _task: asyncio.Task[RequestResult]) -> None:
-    finish(index)
-
-
 def _on_interrupt(stop: asyncio.Event) -> Callable[[], None]:
     """Ctrl-C sets `stop`; returns the undo (a no-op where signals cannot be handled)."""
     loop = asyncio.get_running_loop()
@@ -155,6 +151,48 @@ async def _until(stop: asyncio.Event, aws: set[asyncio.Future[Any]], timeout: fl
         waiter.cancel()
 
 
+class _InFlight:
+    """The requests of one replay between launch and record: launch on schedule, record when done."""
+
+    def __init__(self, trace: Trace, client_config: ClientConfig, clients: HttpClients, rec: Recorder,
+                 stats: LiveStats) -> None:
+        self.trace, self.client_config, self.clients, self.rec, self.stats = trace, client_config, clients, rec, stats
+        self.tasks: dict[int, tuple[asyncio.Task[RequestResult], RequestResult]] = {}
+
+    def launch(self, i: int) -> None:
+        now = time.perf_counter()
+        spec = _spec(self.trace, i)
+        result = RequestResult(i, spec.input_tokens)
+        coro: Coroutine[Any, Any, RequestResult] = send_request(self.clients.for_request(i), self.client_config,
+                                                                spec, result=result)
+        task = asyncio.create_task(coro)
+        self.tasks[i] = (task, result)
+        self.stats.on_sent(now - self.rec.start_t, self.rec.on_launch(i, now))
+        task.add_done_callback(functools.partial(self._finish, i))
+
+    def _finish(self, i: int, task: asyncio.Task[RequestResult]) -> None:
+        _, result = self.tasks.pop(i)
+        if task.cancelled() or task.exception() is not None:
+            result.status = "incomplete"
+            result.error = result.error or ("cancelled at the end of the drain" if task.cancelled()
+                                            else f"client bug: {task.exception()!r}")
+        self.rec.record(result)
+        ttft = result.first_token_t - result.sent_t if result.status == "ok" else None
+        self.stats.on_done(time.perf_counter() - self.rec.start_t, result.status, ttft)
+
+    async def run(self, dispatcher: asyncio.Task[None], stop: asyncio.Event, drain_timeout_s: float) -> None:
+        """Until the schedule is sent and drained (or `stop`); then cancel whatever is left."""
+        if not await _until(stop, {dispatcher}, None):
+            dispatcher.cancel()
+        elif self.tasks:
+            await _until(stop, {t for t, _ in self.tasks.values()}, drain_timeout_s)
+        left = [t for t, _ in self.tasks.values()]
+        for task in left:
+            task.cancel()
+        # Each task's done callback (the record) runs before gather returns.
+        await asyncio.gather(*left, dispatcher, return_exceptions=True)
+
+
 async def replay_async(trace: Trace, client_config: ClientConfig, config: ReplayConfig, out_dir: str | Path,
                        transport: httpx.AsyncBaseTransport | None = None,
                        stop: asyncio.Event | None = None) -> ReplayReport:
@@ -167,63 +205,31 @@ async def replay_async(trace: Trace, client_config: ClientConfig, config: Replay
     if config.duration_s is not None and config.duration_s < trace.duration_s:
         trace = trace.window(0.0, config.duration_s)
     _raise_fd_limit()
-    if client_config.max_keepalive is None:  # per shard: twice its share of the peak, to absorb bursts
+    if client_config.max_keepalive is None:  # per pool: twice its expected share, to absorb bursts
         client_config = dataclasses.replace(client_config, max_keepalive=2 * SHARD_CONNECTIONS)
-    stats = LiveStats()
-    stop = stop if stop is not None else asyncio.Event()
-    bar = ProgressBar(trace.duration_s, enabled=config.progress, desc=config.run_name)
-    in_flight: dict[int, tuple[asyncio.Task[RequestResult], RequestResult]] = {}
-    # The client first: building it (TLS context, certificate bundle) takes ~0.1 s, which would
-    # otherwise show up as drift on the first requests.
     # A connection cap is meant for the whole client: keep one pool then.
     shards = config.pool_shards or (1 if client_config.max_connections is not None else pool_shards_for(trace))
+    stats, stop = LiveStats(), stop if stop is not None else asyncio.Event()
+    bar = ProgressBar(trace.duration_s, enabled=config.progress, desc=config.run_name)
+    # The clients first: building them (TLS context, certificate bundle) takes ~0.1 s, which
+    # would otherwise show up as drift on the first requests.
     async with HttpClients(client_config, shards, transport) as clients:
         started_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-        start_t = time.perf_counter()
-        rec = Recorder(trace, out / "requests.jsonl", start_t, config.time_scale)
-
-        def finish(i: int) -> None:
-            task, result = in_flight.pop(i)
-            if task.cancelled() or task.exception() is not None:
-                result.status = "incomplete"
-                result.error = result.error or ("cancelled at the end of the drain" if task.cancelled()
-                                                else f"client bug: {task.exception()!r}")
-            rec.record(result)
-            ttft = result.first_token_t - result.sent_t if result.status == "ok" else None
-            stats.on_done(time.perf_counter() - start_t, result.status, ttft)
-
-        def launch(i: int) -> None:
-            now = time.perf_counter()
-            spec = _spec(trace, i)
-            result = RequestResult(i, spec.input_tokens)
-            coro: Coroutine[Any, Any, RequestResult] = send_request(clients.for_request(i), client_config, spec,
-                                                                    result=result)
-            task = asyncio.create_task(coro)
-            in_flight[i] = (task, result)
-            stats.on_sent(now - start_t, rec.on_launch(i, now))
-            task.add_done_callback(functools.partial(_call_finish, finish, i))
-
+        rec = Recorder(trace, out / "requests.jsonl", time.perf_counter(), config.time_scale)
+        flight = _InFlight(trace, client_config, clients, rec, stats)
         undo = _on_interrupt(stop)
-        shower = asyncio.create_task(_show_progress(bar, stats, start_t))
-        dispatcher = asyncio.create_task(_dispatch(trace, start_t, launch))
+        shower = asyncio.create_task(_show_progress(bar, stats, rec.start_t))
+        dispatcher = asyncio.create_task(_dispatch(trace, rec.start_t, flight.launch))
         try:
-            completed = await _until(stop, {dispatcher}, None)
-            if not completed:
-                dispatcher.cancel()
-            elif in_flight:
-                await _until(stop, {t for t, _ in in_flight.values()}, config.drain_timeout_s)
-            for task, _ in list(in_flight.values()):
-                task.cancel()
-            await asyncio.gather(*(t for t, _ in in_flight.values()), dispatcher, return_exceptions=True)
+            await flight.run(dispatcher, stop, config.drain_timeout_s)
         finally:
             undo()
             shower.cancel()
             rec.close()
-    if dispatcher.done() and not dispatcher.cancelled() and dispatcher.exception() is not None:
+    if not dispatcher.cancelled() and dispatcher.exception() is not None:
         raise RuntimeError("the replay dispatcher failed") from dispatcher.exception()
-    wall_s = time.perf_counter() - start_t
-    now = wall_s
-    bar.update(now, stats.snapshot(now))
+    wall_s = time.perf_counter() - rec.start_t
+    bar.update(wall_s, stats.snapshot(wall_s))
     bar.close()
     extra = {"client": client_config.as_dict(),
              "replay": {"trace": trace.name, "trace_source": trace.source, "scheduled": len(trace),
