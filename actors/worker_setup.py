@@ -44,7 +44,7 @@ class EngineSpec:
     enforce_eager: bool = False
     random_config: dict[str, Any] | None = None  # build this HF config with random weights
     seed: int | None = None
-    torch_threads: int | None = None  # default: the machine's cores split over TP ranks
+    torch_threads: int | None = None  # default: (cores - 1) split over the TP ranks, at least 1
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -81,7 +81,9 @@ class WorkerBuilder:
         self.device = torch.device(spec.resolved_device())
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
-        threads = spec.torch_threads or max(1, (os.cpu_count() or 1) // spec.tp)
+        # One core is left to the router, Ray and the ingress beside the workers: on a 2-core box
+        # a second OpenMP thread spin-waits on a descheduled sibling (decode ~3x slower, measured).
+        threads = spec.torch_threads or max(1, ((os.cpu_count() or 1) - 1) // spec.tp)
         torch.set_num_threads(threads)
         self.path: Path | None = None
         self.model: LlamaForCausalLM | None = None

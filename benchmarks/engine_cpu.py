@@ -10,7 +10,7 @@ greedy, EOS ignored so each request produces exactly its target length):
   `max_new_tokens`), if the installed version has it.
 Reported: useful output tokens/s, TTFT p50/p99 (s from submission), and ours/theirs ratios.
 
-    python benchmarks/engine_cpu.py [--num-requests 64] [--batch-size 16] [--seed 0] [--json]
+    python benchmarks/engine_cpu.py [--num-requests 32] [--batch-size 16] [--seed 0] [--threads 1] [--json]
 """
 
 from __future__ import annotations
@@ -131,13 +131,15 @@ def run_hf_cb(w: Workload, batch: int, budget: int, path: Any) -> dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--budget", type=int, default=512, help="max tokens per step (ours and hf-cb)")
     parser.add_argument("--prompt-range", type=int, nargs=2, default=(16, 512))
-    parser.add_argument("--output-range", type=int, nargs=2, default=(8, 256))
+    parser.add_argument("--output-range", type=int, nargs=2, default=(8, 128))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    # One thread by default, for every engine alike: on a shared 2-core box two OpenMP threads
+    # spin-wait on a descheduled sibling and decode steps get ~3x slower (measured).
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--engines", nargs="+", default=["ours", "hf-static", "hf-cb"])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
