@@ -115,7 +115,11 @@ def run_replay(args: argparse.Namespace) -> int:
         return 2
     print(f"replaying {trace.name}: {len(trace)} requests over {trace.duration_s:.1f} s to {client.url} "
           f"(model {model!r})", file=sys.stderr)
-    report = replay(trace, client, config, args.out)
+    try:
+        report = replay(trace, client, config, args.out)
+    except ConnectionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     s = report.summary
     cols = ("arrived", "completed", "rejected", "errors", "incomplete", "ttft_p50_ms", "ttft_p99_ms", "tpot_p99_ms",
             "e2e_p99_ms", "goodput_rps", "slo_attainment")

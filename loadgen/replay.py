@@ -39,6 +39,7 @@ import numpy as np
 
 from loadgen.client import ClientConfig, HttpClients, RequestResult, RequestSpec, send_request
 from loadgen.progress import LiveStats, ProgressBar
+from loadgen.prompts import build_prompt
 from loadgen.records import Trace
 from loadgen.replay_results import Recorder, write_outputs
 from loadgen.report import Slo
@@ -151,6 +152,18 @@ async def _until(stop: asyncio.Event, aws: set[asyncio.Future[Any]], timeout: fl
         waiter.cancel()
 
 
+async def _warm_up(client: httpx.AsyncClient, base_url: str) -> None:
+    """One GET before the clock starts: fails fast when nobody listens, and pays the client's
+    first-request costs (lazy imports, the first connection) outside the measured schedule."""
+    build_prompt(1, seed=0)  # reads the prompt passage once
+    try:
+        await client.get(base_url.rstrip("/") + "/v1/models", timeout=10.0)
+    except httpx.ConnectError as exc:
+        raise ConnectionError(f"cannot connect to {base_url}: {exc}") from exc
+    except httpx.HTTPError:
+        pass  # a slow or odd /v1/models is no reason not to replay
+
+
 class _InFlight:
     """The requests of one replay between launch and record: launch on schedule, record when done."""
 
@@ -214,6 +227,7 @@ async def replay_async(trace: Trace, client_config: ClientConfig, config: Replay
     # The clients first: building them (TLS context, certificate bundle) takes ~0.1 s, which
     # would otherwise show up as drift on the first requests.
     async with HttpClients(client_config, shards, transport) as clients:
+        await _warm_up(clients.for_request(0), client_config.base_url)
         started_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         rec = Recorder(trace, out / "requests.jsonl", time.perf_counter(), config.time_scale)
         flight = _InFlight(trace, client_config, clients, rec, stats)

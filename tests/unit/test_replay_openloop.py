@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,14 @@ def test_connections_are_kept_alive_and_reused(server: FakeServer, tmp_path: Pat
     report = _run(server, Behavior(), _trace(20, 20.0, 3), tmp_path, pool_shards=1)
     assert report.summary["completed"] == 20
     assert len(set(server.log.client_ports)) <= 3  # not one connection per request
+
+
+def test_a_server_nobody_runs_fails_fast(tmp_path: Path) -> None:
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(ConnectionError, match="cannot connect"):
+        replay(_trace(5, 10.0), ClientConfig(url), ReplayConfig(progress=False, plots=False), tmp_path)
 
 
 def test_pool_shards_follow_the_busiest_window() -> None:
