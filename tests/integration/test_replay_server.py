@@ -8,12 +8,14 @@ percentiles are ordered and the client kept to its schedule.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
-from loadgen.client import ClientConfig
+from loadgen.client import ClientConfig, discover_model
 from loadgen.replay import ReplayConfig, replay
 from loadgen.report import SUMMARY_KEYS
 from loadgen.traces import load_trace
@@ -21,12 +23,19 @@ from loadgen.traces import load_trace
 pytestmark = pytest.mark.ray
 
 
+async def _served_model(url: str) -> str:
+    async with httpx.AsyncClient() as client:
+        model = await discover_model(client, url)
+    assert model is not None, f"{url}/v1/models lists no model"
+    return model
+
+
 def test_replay_a_compressed_night_against_the_sim_server(sim_server_url: str, tmp_path: Path) -> None:
     # Two trace hours (00:00-02:00, the night side of the sharp day) in 18 wall seconds, ~6 req/s.
     trace = load_trace("day-in-life-sharp", hours=2, peak_rps=0.06, seed=3, time_scale=0.0025, max_input=1024,
                        max_output=48)
     assert 50 <= len(trace) <= 200
-    client = ClientConfig(sim_server_url, model="sim-llama-70b-a100")
+    client = ClientConfig(sim_server_url, model=asyncio.run(_served_model(sim_server_url)))
     report = replay(trace, client, ReplayConfig(time_scale=0.0025, progress=False, drain_timeout_s=60.0), tmp_path)
     s = report.summary
     assert report.sent == s["arrived"] == len(trace)
