@@ -27,6 +27,10 @@ from serve_app.metrics import UnitMetrics
 
 log = logging.getLogger("tidalserve.router")
 
+SIM_PLACEHOLDER_TOKEN = 260
+"""What the simulated GPU 'generates': a plain word piece (" the" in the Llama/SmolLM2
+vocabularies), so streamed text is visible and TTFT is measurable by any client."""
+
 
 def build_replica_group(engine: EngineArgs, max_num_batched_tokens: int, buckets: tuple[int, ...]) -> Any:
     """The executor of one unit and the service prior for its scheduler."""
@@ -47,7 +51,7 @@ def build_replica_group(engine: EngineArgs, max_num_batched_tokens: int, buckets
         assert engine.cost_model is not None
         cost = CostModel.load(engine.cost_model)
         num_blocks = engine.sim_num_kv_blocks or kv_cache_blocks(tp=cost.tp, block_size=engine.block_size)
-        sim = SimExecutor(cost)
+        sim = SimExecutor(cost, placeholder_token_id=SIM_PLACEHOLDER_TOKEN)
         sim.num_kv_blocks = num_blocks  # what the replica group reports to the scheduler
         return ReplicaGroup(spec, backend="sim", sim_executor=sim), cost.service_prior()
     group = ReplicaGroup(spec, backend="hf", step_timeout_s=engine.step_timeout_s,

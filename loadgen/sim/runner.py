@@ -76,10 +76,11 @@ class RunSpec:
 
 
 def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:
-    # The admission TTFT target follows the SLO, so the adaptive policy protects what is measured.
+    # The admission targets follow the SLO, so the adaptive policy protects what is measured.
     cfg = preset(policy, spec.base)
     if cfg.admission.enabled:
-        cfg = dataclasses.replace(cfg, admission=dataclasses.replace(cfg.admission, target_ttft_s=spec.slo.ttft_s))
+        cfg = dataclasses.replace(cfg, admission=dataclasses.replace(cfg.admission, target_ttft_s=spec.slo.ttft_s,
+                                                                     target_tpot_s=spec.slo.tpot_s))
     config = SimConfig(cfg, executor_factory(spec.cost_model), spec.slo, num_units=spec.units,
                        gpus_per_unit=spec.cost_model.tp, autoscale=spec.autoscale, provisioning_s=spec.provisioning_s,
                        seed=spec.seed)

@@ -4,11 +4,13 @@ Owns: `AdmissionController.check`. Rules, in order, each with its metric label:
 
 - `too_long`: prompt plus one output token exceeds `max_model_len` (never retryable: 400);
 - `queue_full`: `max_queue_len` requests already wait;
-- `prefill_backlog`: the predicted queueing delay of a new arrival exceeds `target_ttft_s`.
-  The delay is the longer of (a) draining the prefill work ahead of it (waiting prompts plus
-  unfinished chunks) at the measured prefill speed while the running decodes share each step
-  — the queued-prefill-token cap of DESIGN.md, about target TTFT x prefill throughput — and
-  (b) waiting for a batch slot when the batch is full, at the measured completion rate;
+- `prefill_backlog`: the predicted time to first token of a new arrival exceeds
+  `target_ttft_s` in OVERLOAD (or `burst_factor` x `target_ttft_s` in LIGHT/STEADY, where a
+  burst drains), and work is ahead of it. The prediction is (a) prefilling the work ahead
+  (waiting prompts plus unfinished chunks) and its own prompt at the prefill speed measured
+  while prompts were queued — the queued-prefill-token cap of DESIGN.md, about target TTFT x
+  prefill throughput — plus (b) waiting for a batch slot when the running batch is at its
+  cap, at the measured completion rate;
 - `kv_pressure`: KV usage is at `kv_reject_usage` and requests already wait for room.
 
 The retry-after estimate is the time until the rule would admit again if nothing else
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from serve_app.core.config import AdmissionConfig
 from serve_app.core.load import LoadEstimator
 from serve_app.core.plan import Rejection
+from serve_app.core.regime import Regime
 from serve_app.core.request import Request
 
 
@@ -32,14 +35,17 @@ from serve_app.core.request import Request
 class UnitState:
     """What admission looks at, gathered by the scheduler at the moment of arrival.
 
-    `queue_delay_s` is the scheduler's predicted queueing delay for a new arrival (one
-    definition: `Scheduler.predicted_queue_delay_s`).
+    `predicted_ttft_s` is the scheduler's prediction of the new arrival's time to first token
+    (queueing plus its own prefill; one definition: `Scheduler.predicted_queue_delay_s`).
+    `work_ahead` is False on a unit that would start the request at once.
     """
 
     num_waiting: int
     num_decoding: int
     kv_usage: float
-    queue_delay_s: float
+    predicted_ttft_s: float
+    work_ahead: bool
+    regime: Regime
 
 
 class AdmissionController:
@@ -64,12 +70,15 @@ class AdmissionController:
             capacity = max(load.capacity_rps(), 1e-9)
             return self._reject(req, "queue_full", state.num_waiting / capacity,
                                 f"{state.num_waiting} requests are already queued (limit {cfg.max_queue_len})")
-        delay = state.queue_delay_s
-        if delay > cfg.target_ttft_s:
-            # Arrivals keep refilling the queue, so this is a lower bound on the real wait.
-            return self._reject(req, "prefill_backlog", delay - cfg.target_ttft_s,
-                                f"predicted queueing delay {delay:.2f}s exceeds the {cfg.target_ttft_s:.2f}s "
-                                "time-to-first-token target")
+        ttft = state.predicted_ttft_s
+        # Past capacity every admitted request beyond the target would miss it; below capacity
+        # a burst drains, so only `burst_factor` x the target is refused. A request nothing is
+        # ahead of is always admitted: no unit could serve it sooner.
+        limit = cfg.target_ttft_s if state.regime is Regime.OVERLOAD else cfg.burst_factor * cfg.target_ttft_s
+        if state.work_ahead and ttft > limit:
+            return self._reject(req, "prefill_backlog", ttft - cfg.target_ttft_s,
+                                f"predicted time to first token {ttft:.2f}s exceeds the {cfg.target_ttft_s:.2f}s "
+                                "target")
         if state.kv_usage >= cfg.kv_reject_usage and state.num_waiting > 0:
             svc = load.service
             decode_span = load.output_mean * (svc.overhead_s + svc.decode_s_per_seq * max(1, state.num_decoding))

@@ -98,12 +98,16 @@ class AdmissionConfig:
     With `enabled`, a request is turned away when the queue holds `max_queue_len`, when the
     predicted queueing delay of the prefill tokens ahead of it exceeds `target_ttft_s`
     (the queued-prefill-token cap, i.e. about target TTFT x prefill throughput), or when KV
-    usage is at `kv_reject_usage` with requests already waiting for room.
+    usage is at `kv_reject_usage` with requests already waiting for room. With
+    `target_tpot_s`, the adaptive policy also sizes every step so running decodes keep that
+    time per output token (core/tpot.py).
     """
 
     enabled: bool = True
     max_queue_len: int = 1024
     target_ttft_s: float = 1.0
+    target_tpot_s: float | None = None
+    burst_factor: float = 2.0
     kv_reject_usage: float = 0.98
     min_retry_after_s: float = 1.0
     max_retry_after_s: float = 60.0
@@ -111,6 +115,9 @@ class AdmissionConfig:
     def __post_init__(self) -> None:
         _require(self.max_queue_len >= 1, f"admission.max_queue_len={self.max_queue_len} must be >= 1")
         _require(self.target_ttft_s > 0.0, f"admission.target_ttft_s={self.target_ttft_s} must be > 0")
+        _require(self.burst_factor >= 1.0, f"admission.burst_factor={self.burst_factor} must be >= 1")
+        _require(self.target_tpot_s is None or self.target_tpot_s > 0.0,
+                 f"admission.target_tpot_s={self.target_tpot_s} must be None (off) or > 0")
         _require(0.0 < self.kv_reject_usage <= 1.0,
                  f"admission.kv_reject_usage={self.kv_reject_usage} must be in (0, 1]")
         _require(0.0 < self.min_retry_after_s <= self.max_retry_after_s,

@@ -11,8 +11,9 @@ when saturated:
 
     capacity = 1 / (prompt_mean * a + prefill_step + output_mean * (overhead + b * B) / B)
 
-with `B = min(max_batch_size, KV tokens / (prompt_mean + output_mean))` the batch the unit
-can actually run, `a` the prefill seconds per token, `b` the decode seconds per sequence,
+with `B = min(batch cap, KV tokens / (prompt_mean + output_mean))` the batch the unit can
+actually run (the cap is `max_batch_size`, or the TPOT governor's lower cap: capacity *within
+the latency SLO*), `a` the prefill seconds per token, `b` the decode seconds per sequence,
 `overhead` the fixed per-step cost and `prefill_step` the extra fixed cost of a step holding
 prefill, all fitted by recursive least squares to measured step times. `load` is
 utilisation: 0 idle, 1 at capacity, above 1 in overload. It is not clamped.
@@ -127,30 +128,90 @@ class ServiceModel:
         return steps * per_step_s + self.prefill_s_per_token * prefill_tokens
 
 
+class PrefillThroughput:
+    """Prompt tokens per second the unit actually computes while prompts are queued.
+
+    Only intervals with a backlog count (otherwise the rate would measure demand, not
+    service); both sums decay with `tau_s`, so the figure follows the current batch mix.
+    """
+
+    __slots__ = ("_t_last", "_time", "_tokens", "tau_s")
+
+    def __init__(self, tau_s: float) -> None:
+        self.tau_s = tau_s
+        self._tokens = 0.0
+        self._time = 0.0
+        self._t_last: float | None = None
+
+    def on_step(self, now: float, prefill_tokens: int, had_backlog: bool) -> None:
+        last, self._t_last = self._t_last, now
+        if last is None or not had_backlog or now <= last:
+            return
+        dt = now - last
+        decay = math.exp(-dt / self.tau_s)
+        self._tokens = self._tokens * decay + prefill_tokens
+        self._time = self._time * decay + dt
+
+    def rate(self, min_busy_s: float = 1.0) -> float | None:
+        """Tokens/s, or None until `min_busy_s` of backlogged time has been seen."""
+        if self._time < min_busy_s or self._tokens <= 0.0:
+            return None
+        return self._tokens / self._time
+
+
+class PredictionCorrection:
+    """Ratio of measured to predicted time-to-first-token, learned from finished prefills.
+
+    The queueing model is simple on purpose; this factor (EWMA sums of both, weight 0.02,
+    clamped to [0.5, 4]) absorbs what it misses - the TPOT governor throttling prefill,
+    bursts of long prompts - so admission acts on predictions that measurements back.
+    """
+
+    __slots__ = ("_actual", "_predicted")
+
+    def __init__(self) -> None:
+        self._actual = 0.0
+        self._predicted = 0.0
+
+    def observe(self, predicted_s: float, actual_s: float) -> None:
+        self._actual = 0.98 * self._actual + 0.02 * actual_s
+        self._predicted = 0.98 * self._predicted + 0.02 * predicted_s
+
+    @property
+    def factor(self) -> float:
+        if self._predicted <= 1e-6:
+            return 1.0
+        return max(0.5, min(4.0, self._actual / self._predicted))
+
+
 class LoadEstimator:
     """Arrival rate, mean request shape and the fitted service model -> `load` (see module doc)."""
 
     __slots__ = (
         "_have_finished",
         "_kv_tokens",
-        "_max_batch",
+        "batch_cap",
         "_num_arrivals",
         "_output_mean",
         "_prompt_mean",
         "arrivals",
         "finishes",
+        "prefill",
         "service",
+        "ttft_correction",
     )
 
     def __init__(self, tau_s: float, prior: ServicePrior, max_batch_size: int, kv_tokens: int) -> None:
         self.arrivals = RateEstimator(tau_s)
         self.finishes = RateEstimator(tau_s)
+        self.prefill = PrefillThroughput(tau_s)
+        self.ttft_correction = PredictionCorrection()
         self.service = ServiceModel(prior)
         self._prompt_mean = 0.0
         self._output_mean = 0.0
         self._have_finished = False
         self._num_arrivals = 0
-        self._max_batch = max_batch_size
+        self.batch_cap = max_batch_size  # the scheduler lowers it to the TPOT governor's cap
         self._kv_tokens = kv_tokens
 
     def on_arrival(self, now: float, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -184,8 +245,8 @@ class LoadEstimator:
 
     def effective_batch(self) -> float:
         per_request = self._prompt_mean + self._output_mean
-        kv_batch = self._kv_tokens / per_request if per_request > 0 else float(self._max_batch)
-        return max(1.0, min(float(self._max_batch), kv_batch))
+        kv_batch = self._kv_tokens / per_request if per_request > 0 else float(self.batch_cap)
+        return max(1.0, min(float(self.batch_cap), kv_batch))
 
     def capacity_rps(self) -> float:
         """Requests per second this unit completes when saturated with the current mix."""

@@ -88,6 +88,7 @@ class Request:
         "finished_s",
         "first_token_s",
         "max_total_tokens",
+        "predicted_ttft_s",
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
@@ -130,6 +131,7 @@ class Request:
         # EOS handling is resolved once here so the per-token check is one set lookup.
         self.stop_ids: frozenset[int] = sampling.stop_token_ids
         self.max_total_tokens = num_prompt_tokens + sampling.max_tokens
+        self.predicted_ttft_s: float | None = None  # set by admission; its error trains the predictor
 
     @property
     def num_tokens(self) -> int:

@@ -46,6 +46,7 @@ from serve_app.core.plan import (
 from serve_app.core.regime import Regime, RegimeDetector
 from serve_app.core.request import FinishReason, Request, RequestStatus
 from serve_app.core.stats import SchedulerStats
+from serve_app.core.tpot import TpotGovernor
 
 IDLE = Idle()
 
@@ -76,6 +77,10 @@ class Scheduler:
         self._stop_counts: Counter[int] = Counter()
         self._stop_set: frozenset[int] = frozenset()
         self._static = config.batching.mode == "static"
+        adm = config.admission
+        self.governor = (TpotGovernor(adm.target_tpot_s)
+                         if adm.enabled and adm.target_tpot_s and config.batching.mode == "adaptive" else None)
+        self._had_backlog = False
 
     # ---- queries ------------------------------------------------------------------------
     @property
@@ -101,24 +106,40 @@ class Scheduler:
         """Prompt tokens not yet computed: waiting prompts plus unfinished chunks."""
         return self._waiting_tokens + self._prefill_remaining
 
-    def unit_state(self, now: float) -> UnitState:
-        return UnitState(len(self.waiting), len(self.decodes), self.blocks.usage(), self.predicted_queue_delay_s(now))
+    def unit_state(self, now: float, req: Request) -> UnitState:
+        busy = bool(self.waiting) or bool(self.prefilling) or self.num_running >= self.max_running()
+        return UnitState(len(self.waiting), len(self.decodes), self.blocks.usage(),
+                         self.predicted_queue_delay_s(now, req.num_prompt_tokens), busy, self.regime.regime)
 
-    def predicted_queue_delay_s(self, now: float) -> float:
-        """Time before a request arriving now would start its prefill, predicted from measurements.
+    def predicted_queue_delay_s(self, now: float, own_prompt_tokens: int = 0, corrected: bool = True) -> float:
+        """Time before a request arriving now would start its prefill (with `own_prompt_tokens`:
+        would finish it, i.e. its predicted TTFT), from measurements.
 
-        The longer of draining the prefill backlog (waiting prompts and unfinished chunks, at
-        the fitted prefill speed with the running decodes sharing each step) and, when the
-        batch is full, waiting for enough running requests to finish (at the measured
-        completion rate, or the estimated capacity before any request has finished).
+        Draining the prefill backlog (waiting prompts and unfinished chunks) at the prefill
+        speed measured while prompts were queued (before there is such a measurement: the
+        fitted step model with the decodes sharing each step), plus, when the running batch
+        is at its cap, waiting for enough running requests to finish (at the measured
+        completion rate, or the estimated capacity before any request has finished); all
+        scaled by the measured/predicted ratio of recent first tokens (`ttft_correction`).
         """
         n_dec = len(self.decodes)
-        per_step = max(1, self.config.max_num_batched_tokens - n_dec)
-        prefill_s = self.load.service.drain_time(self.backlog_prefill_tokens(), n_dec, per_step)
-        behind = len(self.waiting) + 1 - (self.config.max_batch_size - self.num_running)
-        if behind <= 0:
-            return prefill_s
-        return max(prefill_s, behind / self.load.departure_rate(now))
+        backlog = self.backlog_prefill_tokens() + own_prompt_tokens
+        measured = self.load.prefill.rate()
+        if measured is not None:
+            prefill_s = backlog / measured
+        else:
+            per_step = max(1, self.config.max_num_batched_tokens - n_dec)
+            prefill_s = self.load.service.drain_time(backlog, n_dec, per_step)
+        behind = len(self.waiting) + 1 - (self.max_running() - self.num_running)
+        slot_s = behind / self.load.departure_rate(now) if behind > 0 else 0.0
+        return (prefill_s + slot_s) * (self.load.ttft_correction.factor if corrected else 1.0)
+
+    def max_running(self) -> int:
+        """The running-batch cap: max_batch_size, or less where the TPOT governor says so."""
+        cap = self.config.max_batch_size
+        if self.governor is not None:
+            cap = min(cap, self.governor.max_running(self.load.service))
+        return cap
 
     # ---- arrivals and aborts -------------------------------------------------------------
     def add_request(self, req: Request, now: float) -> Rejection | None:
@@ -127,12 +148,15 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
         self.stats.num_arrived += 1
         self.load.on_arrival(now, req.num_prompt_tokens, req.sampling.max_tokens)
-        rejection = self.admission.check_length(req) or self.admission.check(req, self.unit_state(now), self.load)
+        state = self.unit_state(now, req)
+        rejection = self.admission.check_length(req) or self.admission.check(req, state, self.load)
         if rejection is not None:
             req.status = RequestStatus.REJECTED
             req.finished_s = now
             self.stats.rejected[rejection.reason] += 1
             return rejection
+        # The raw model's prediction: its measured error is what the correction learns.
+        req.predicted_ttft_s = self.predicted_queue_delay_s(now, req.num_prompt_tokens, corrected=False)
         self.requests[req.request_id] = req
         self.waiting.append(req)
         self._waiting_tokens += req.num_tokens
@@ -164,6 +188,8 @@ class Scheduler:
         if not decodes and not self.prefilling and not waiting:
             return IDLE
         cfg = self.config
+        if self.governor is not None:
+            self.load.batch_cap = self.max_running()
         load = self.load.load(now)
         self.last_load = load
         regime = self.regime.update(now, load, self.predicted_queue_delay_s(now) / cfg.admission.target_ttft_s,
@@ -174,6 +200,13 @@ class Scheduler:
         sched = decodes.ones.copy()
         n_dec = len(sched)
         budget.take_decodes(n_dec)
+        wanted_tokens = budget.tokens_left
+        if self.governor is not None:
+            self.governor.set_strict(regime is Regime.OVERLOAD)
+            budget.tokens_left = min(budget.tokens_left,
+                                     self.governor.prefill_allowance(self.load.service, n_dec, self._oldest_wait(now),
+                                                                     cfg.admission.target_ttft_s))
+        self._had_backlog = bool(waiting) or bool(self.prefilling)
         new_reqs: list[NewRequestData] = []
         prefill_ctx: dict[str, int] = {}
         prefill_tokens = self._continue_prefills(budget, sched, prefill_ctx, new_reqs)
@@ -191,7 +224,11 @@ class Scheduler:
                 self.stats.wait_s_total += max(0.0, decision.deadline_s - now)
                 return WaitUntil(decision.deadline_s, decision.reason)
         if not sched:
+            if self.governor is not None and n_dec == 0 and not self.prefilling:
+                raise AssertionError("the TPOT governor blocked an idle unit")
             raise AssertionError(f"nothing schedulable with {len(waiting)} waiting and no running request")
+        if budget.tokens_left <= 0 < wanted_tokens and (waiting or self.prefilling) and self.governor is not None:
+            self.stats.tpot_limited_steps += 1
         padded = self.buckets.bucket_for(n_dec) if n_dec and not prefill_tokens else None
         if not prefill_tokens:
             self.buckets.record(n_dec, padded)
@@ -208,6 +245,9 @@ class Scheduler:
             raise RuntimeError(f"on_step_done for step {plan.step_id}, which is not the step in flight")
         self._inflight = None
         self.load.on_step(plan.num_prefill_tokens, plan.num_decode_seqs, result.device_time_s)
+        self.load.prefill.on_step(now, plan.num_prefill_tokens, self._had_backlog)
+        if self.governor is not None:
+            self.governor.on_step(plan.num_decode_seqs, result.device_time_s)
         sampled = result.sampled_token_ids
         if self._aborted_inflight:
             aborted = self._aborted_inflight
@@ -295,6 +335,8 @@ class Scheduler:
         """
         cfg, waiting, blocks = self.config, self.waiting, self.blocks
         limit = cfg.batching.static_batch_size if self._static else (cfg.max_new_requests_per_step or math.inf)
+        if self.governor is not None:
+            limit = min(limit, self.max_running() - self.num_running)
         keep_free = blocks.watermark_blocks if (self.decodes or self.prefilling) else 0
         chunked = cfg.enable_chunked_prefill
         admitted = total = 0
@@ -323,6 +365,13 @@ class Scheduler:
                 total += grant
                 self._announce(req, new_reqs)
         return total
+
+    def _oldest_wait(self, now: float) -> float:
+        """How long the oldest prompt not yet fully computed has been in the unit."""
+        oldest = self.waiting[0].arrival_s if self.waiting else now
+        if self.prefilling:  # admission order: the first is the oldest
+            oldest = min(oldest, next(iter(self.prefilling.values())).arrival_s)
+        return now - oldest
 
     def _announce(self, req: Request, new_reqs: list[NewRequestData]) -> None:
         rid = req.request_id
@@ -366,6 +415,8 @@ class Scheduler:
             if req.first_token_s is None:
                 req.first_token_s = now
                 first.append(rid)
+                if req.predicted_ttft_s is not None:
+                    self.load.ttft_correction.observe(req.predicted_ttft_s, now - req.arrival_s)
             if self._hit_stop(req, tok):
                 self._finish(req, FinishReason.STOP, now, finished)
             elif len(req.output_token_ids) >= self.decodes.length_limit(req):

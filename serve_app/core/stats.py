@@ -10,6 +10,7 @@ Reason labels (stable; dashboards and alerts use them):
 - rejected: too_long, queue_full, prefill_backlog, kv_pressure
 - preempted: kv_exhausted
 - finished: stop, length, abort
+- `tpot_limited_steps`: steps whose prefill the TPOT governor cut (core/tpot.py)
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """
@@ -74,6 +75,7 @@ class SchedulerStats:
     preempted: Counter[str] = field(default_factory=Counter)
     finished: Counter[str] = field(default_factory=Counter)
     wait_s_total: float = 0.0
+    tpot_limited_steps: int = 0
     last_step: StepStats | None = None
 
     @property

@@ -51,7 +51,8 @@ def configs(draw: st.DrawFn) -> SchedulerConfig:
     cfg = preset(policy, base)
     if cfg.admission.enabled:
         cfg = dataclasses.replace(cfg, admission=dataclasses.replace(
-            cfg.admission, max_queue_len=draw(st.integers(1, 40)), target_ttft_s=draw(st.floats(0.01, 2.0))))
+            cfg.admission, max_queue_len=draw(st.integers(1, 40)), target_ttft_s=draw(st.floats(0.01, 2.0)),
+            target_tpot_s=draw(st.one_of(st.none(), st.floats(0.002, 0.5)))))
     return cfg
 
 
