@@ -45,7 +45,6 @@ def build_replica_group(engine: EngineArgs, max_num_batched_tokens: int, buckets
     if engine.backend == "sim":
         from actors.cost_model import CostModel
         from actors.sim_executor import SimExecutor
-
         from actors.unit_sizing import kv_cache_blocks
 
         assert engine.cost_model is not None

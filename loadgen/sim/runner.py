@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from actors.cost_model import CostModel
-from actors.sim_executor import SimExecutor
 from tqdm import tqdm
 
+from actors.cost_model import CostModel
+from actors.sim_executor import SimExecutor
 from actors.unit_sizing import kv_cache_blocks
 from loadgen import plots
 from loadgen.records import Trace

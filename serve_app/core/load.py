@@ -190,11 +190,11 @@ class LoadEstimator:
     __slots__ = (
         "_have_finished",
         "_kv_tokens",
-        "batch_cap",
         "_num_arrivals",
         "_output_mean",
         "_prompt_mean",
         "arrivals",
+        "batch_cap",
         "finishes",
         "prefill",
         "service",
