@@ -118,6 +118,19 @@ class Router:
             "regime": float(REGIME_LEVEL[s.current_regime]),
         }
 
+    async def unit_state(self, check: bool = False) -> dict[str, Any]:
+        """Operator view of the unit (and, with `check`, the scheduler's integrity check):
+        what the reliability tests read to prove nothing leaked."""
+        if check:
+            self.scheduler.check_integrity()
+        s = self.scheduler
+        return {**self._stats(), "unit": self.unit, "healthy": self.loop.healthy, "failure": self.loop.failure,
+                "num_free_blocks": s.blocks.num_free_blocks, "num_blocks": s.blocks.num_blocks,
+                "num_streams": len(self.loop.streams), "num_requests": len(s.requests),
+                "regime_name": s.current_regime.value, "policy": s.config.policy,
+                "finished": dict(s.stats.finished), "rejected": dict(s.stats.rejected),
+                "preempted": dict(s.stats.preempted), "num_steps": s.stats.num_steps}
+
     def record_routing_stats(self) -> dict[str, float]:
         return self._stats()
 
