@@ -72,10 +72,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [D, H, hd] -> [D, H, hd]. Static shapes given the table width (CUDA-graph safe)."""
     num, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
-    k = k_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [D, Hkv, L, hd]
-    v = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
-    length = k.shape[2]
+    width, block_size, kv_heads = block_tables.shape[1], k_cache.shape[1], k_cache.shape[2]
+    # index_select copies whole blocks (contiguous rows): ~4x faster than advanced indexing on CPU.
+    flat = block_tables.reshape(-1)
+    length = width * block_size
+    k = k_cache.index_select(0, flat).view(num, length, kv_heads, head_dim).transpose(1, 2)  # [D, Hkv, L, hd]
+    v = v_cache.index_select(0, flat).view(num, length, kv_heads, head_dim).transpose(1, 2)
     mask = torch.arange(length, device=q.device).unsqueeze(0) < context_lens.unsqueeze(1)
     qg = q.view(num, kv_heads, heads // kv_heads, head_dim)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)
@@ -91,8 +93,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     else:
         total = ctx + n
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        keys = k_cache[span.block_table].view(-1, kv_heads, head_dim)[:total]
-        values = v_cache[span.block_table].view(-1, kv_heads, head_dim)[:total]
+        keys = k_cache.index_select(0, span.block_table).view(-1, kv_heads, head_dim)[:total]
+        values = v_cache.index_select(0, span.block_table).view(-1, kv_heads, head_dim)[:total]
         rows = torch.arange(n, device=q.device).unsqueeze(1) + ctx
         mask, causal = torch.arange(total, device=q.device).unsqueeze(0) <= rows, False
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
