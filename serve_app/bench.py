@@ -1,6 +1,8 @@
 """`tidal bench scheduler`: the cost of one scheduling cycle (`schedule()` + `on_step_done()`).
 
-Sets up a unit at steady state: `--running` requests decoding (a full batch), `--waiting`
+Wall time is what the issue asks for; thread CPU time is reported beside it because on a shared
+machine preemption by other processes inflates the wall-time tail. Sets up a unit at steady
+state: `--running` requests decoding (a full batch), `--waiting`
 queued with mixed prompt lengths, output lengths mixed so that requests finish and new ones
 are admitted (as prefill chunks) every few steps; the queue is topped up to stay at
 `--waiting`. Only the two scheduler calls are timed; the executor's work is not.
@@ -62,26 +64,32 @@ def bench_scheduler(num_running: int, num_waiting: int, cycles: int, seed: int =
         now += 0.03
         sched.on_step_done(decision.plan, ex.execute(decision.plan), now)
     samples: list[float] = []
-    perf = time.perf_counter
+    cpu_samples: list[float] = []
+    perf, cpu = time.perf_counter, time.thread_time
     for _ in range(cycles):
         while sched.num_waiting < num_waiting:
             sched.add_request(_request(next_id, rng, now), now)
             next_id += 1
-        t0 = perf()
+        c0, t0 = cpu(), perf()
         decision = sched.schedule(now)
-        t1 = perf()
+        t1, c1 = perf(), cpu()
         assert isinstance(decision, Run)
         result = ex.execute(decision.plan)
         now += 0.03
-        t2 = perf()
+        c2, t2 = cpu(), perf()
         sched.on_step_done(decision.plan, result, now)
-        t3 = perf()
+        t3, c3 = perf(), cpu()
         samples.append((t1 - t0) + (t3 - t2))
+        cpu_samples.append((c1 - c0) + (c3 - c2))
     samples.sort()
+    cpu_samples.sort()
     return {
         "p50_us": round(statistics.median(samples) * 1e6, 1),
         "p99_us": round(samples[int(0.99 * (len(samples) - 1))] * 1e6, 1),
         "mean_us": round(statistics.fmean(samples) * 1e6, 1),
+        # Thread CPU time: what the cycle costs when another process preempts this one (noisy box).
+        "cpu_p50_us": round(statistics.median(cpu_samples) * 1e6, 1),
+        "cpu_p99_us": round(cpu_samples[int(0.99 * (len(cpu_samples) - 1))] * 1e6, 1),
         "cycles": cycles,
         "running": len(sched.decodes) + len(sched.prefilling),
         "waiting": sched.num_waiting,

@@ -26,6 +26,7 @@ class DecodeSet:
         "_due",
         "_phase_of",
         "_phases",
+        "_removed",
         "block_size",
         "context_tokens",
         "max_model_len",
@@ -41,6 +42,7 @@ class DecodeSet:
         self.reqs: dict[str, Request] = {}
         self.outs: dict[str, list[int]] = {}
         self.ones: dict[str, int] = {}  # {rid: 1}: copied as a plan's decode part (copy is ~10x fromkeys)
+        self._removed = 0
         self.step = 0  # decode steps completed
         self.context_tokens = 0  # sum of num_tokens over the set
         self._phases: list[dict[str, Request]] = [{} for _ in range(block_size)]
@@ -77,6 +79,12 @@ class DecodeSet:
         req = self.reqs.pop(rid)
         del self.outs[rid]
         del self.ones[rid]
+        self._removed += 1
+        if self._removed > max(64, len(self.ones)):
+            # CPython copies a dict fast only while few of its slots are deleted ones; with
+            # decodes leaving and joining every step, rebuild (order kept) now and then.
+            self.reqs, self.outs, self.ones = dict(self.reqs), dict(self.outs), dict(self.ones)
+            self._removed = 0
         self.context_tokens -= req.num_tokens
         del self._phases[self._phase_of.pop(rid)][rid]
         return req  # a stale `_due` entry is skipped when its step comes

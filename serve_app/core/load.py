@@ -70,7 +70,7 @@ class ServiceModel:
         self._floor = [0.02 * self._theta[0], 0.0, 0.02 * self._theta[2], 0.02 * self._theta[3]]
         scale = max(self._theta[0], 1e-6) ** 2
         init = [max(v, 1e-3 * self._theta[0]) ** 2 for v in self._theta]
-        self._p = [[init[i] if i == j else 0.0 for j in range(4)] for i in range(4)]
+        self._p = tuple(tuple(init[i] if i == j else 0.0 for j in range(4)) for i in range(4))
         self._trace_cap = sum(init) + scale
         self._forget = forget
         self.num_observations = 0
@@ -99,23 +99,34 @@ class ServiceModel:
     def observe(self, prefill_tokens: int, decode_seqs: int, device_time_s: float) -> None:
         if device_time_s <= 0.0 or not math.isfinite(device_time_s):
             return
-        x = (1.0, 1.0 if prefill_tokens > 0 else 0.0, prefill_tokens / _P_SCALE, decode_seqs / _D_SCALE)
-        p, th = self._p, self._theta
-        px = [p[i][0] * x[0] + p[i][1] * x[1] + p[i][2] * x[2] + p[i][3] * x[3] for i in range(4)]
-        denom = self._forget + x[0] * px[0] + x[1] * px[1] + x[2] * px[2] + x[3] * px[3]
-        k = [v / denom for v in px]
-        err = device_time_s - (th[0] * x[0] + th[1] * x[1] + th[2] * x[2] + th[3] * x[3])
-        floor = self._floor
-        for i in range(4):
-            th[i] = max(floor[i], th[i] + k[i] * err)
-        # P <- (P - k px^T) / forget (symmetric), then bounded against wind-up.
-        inv_f = 1.0 / self._forget
-        new = [[(p[i][j] - k[i] * px[j]) * inv_f for j in range(4)] for i in range(4)]
-        trace = new[0][0] + new[1][1] + new[2][2] + new[3][3]
+        # Unrolled over the 10 distinct entries of the symmetric 4x4 covariance: this runs once
+        # per engine step, so it is written for speed (x0 = 1 always, x1 is 0 or 1).
+        x1 = 1.0 if prefill_tokens > 0 else 0.0
+        x2, x3 = prefill_tokens / _P_SCALE, decode_seqs / _D_SCALE
+        (p00, p01, p02, p03), (_, p11, p12, p13), (_, _, p22, p23), (_, _, _, p33) = self._p
+        px0 = p00 + p01 * x1 + p02 * x2 + p03 * x3
+        px1 = p01 + p11 * x1 + p12 * x2 + p13 * x3
+        px2 = p02 + p12 * x1 + p22 * x2 + p23 * x3
+        px3 = p03 + p13 * x1 + p23 * x2 + p33 * x3
+        inv_d = 1.0 / (self._forget + px0 + x1 * px1 + x2 * px2 + x3 * px3)
+        k0, k1, k2, k3 = px0 * inv_d, px1 * inv_d, px2 * inv_d, px3 * inv_d
+        th, fl = self._theta, self._floor
+        err = device_time_s - (th[0] + th[1] * x1 + th[2] * x2 + th[3] * x3)
+        th[0] = max(fl[0], th[0] + k0 * err)
+        th[1] = max(fl[1], th[1] + k1 * err)
+        th[2] = max(fl[2], th[2] + k2 * err)
+        th[3] = max(fl[3], th[3] + k3 * err)
+        # P <- (P - k px^T) / forget, then bounded against wind-up.
+        f = 1.0 / self._forget
+        p00, p01, p02, p03 = (p00 - k0 * px0) * f, (p01 - k0 * px1) * f, (p02 - k0 * px2) * f, (p03 - k0 * px3) * f
+        p11, p12, p13 = (p11 - k1 * px1) * f, (p12 - k1 * px2) * f, (p13 - k1 * px3) * f
+        p22, p23, p33 = (p22 - k2 * px2) * f, (p23 - k2 * px3) * f, (p33 - k3 * px3) * f
+        trace = p00 + p11 + p22 + p33
         if trace > self._trace_cap:
-            s = self._trace_cap / trace
-            new = [[v * s for v in row] for row in new]
-        self._p = new
+            c = self._trace_cap / trace
+            p00, p01, p02, p03, p11, p12, p13, p22, p23, p33 = (
+                p00 * c, p01 * c, p02 * c, p03 * c, p11 * c, p12 * c, p13 * c, p22 * c, p23 * c, p33 * c)
+        self._p = ((p00, p01, p02, p03), (p01, p11, p12, p13), (p02, p12, p22, p23), (p03, p13, p23, p33))
         self.num_observations += 1
 
     def drain_time(self, prefill_tokens: int, decode_seqs: int, prefill_tokens_per_step: int) -> float:

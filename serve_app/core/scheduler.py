@@ -46,7 +46,7 @@ from serve_app.core.plan import (
 from serve_app.core.regime import Regime, RegimeDetector
 from serve_app.core.request import FinishReason, Request, RequestStatus
 from serve_app.core.stats import SchedulerStats
-from serve_app.core.tpot import TpotGovernor
+from serve_app.core.tpot import STRICT, TpotGovernor
 
 IDLE = Idle()
 
@@ -81,6 +81,8 @@ class Scheduler:
         self.governor = (TpotGovernor(adm.target_tpot_s)
                          if adm.enabled and adm.target_tpot_s and config.batching.mode == "adaptive" else None)
         self._had_backlog = False
+        self._running_cap = config.max_batch_size
+        self._refresh_running_cap()
 
     # ---- queries ------------------------------------------------------------------------
     @property
@@ -89,7 +91,7 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.decodes) + len(self.prefilling)
+        return len(self.decodes.reqs) + len(self.prefilling)
 
     @property
     def has_unfinished(self) -> bool:
@@ -108,7 +110,7 @@ class Scheduler:
 
     def unit_state(self, now: float, req: Request) -> UnitState:
         busy = bool(self.waiting) or bool(self.prefilling) or self.num_running >= self.max_running()
-        return UnitState(len(self.waiting), len(self.decodes), self.blocks.usage(),
+        return UnitState(len(self.waiting), len(self.decodes.reqs), self.blocks.usage(),
                          self.predicted_queue_delay_s(now, req.num_prompt_tokens), busy, self.regime.regime)
 
     def predicted_queue_delay_s(self, now: float, own_prompt_tokens: int = 0, corrected: bool = True) -> float:
@@ -122,7 +124,7 @@ class Scheduler:
         completion rate, or the estimated capacity before any request has finished); all
         scaled by the measured/predicted ratio of recent first tokens (`ttft_correction`).
         """
-        n_dec = len(self.decodes)
+        n_dec = len(self.decodes.reqs)
         backlog = self.backlog_prefill_tokens() + own_prompt_tokens
         measured = self.load.prefill.rate()
         if measured is not None:
@@ -135,11 +137,16 @@ class Scheduler:
         return (prefill_s + slot_s) * (self.load.ttft_correction.factor if corrected else 1.0)
 
     def max_running(self) -> int:
-        """The running-batch cap: max_batch_size, or less where the TPOT governor says so."""
+        """The running-batch cap: max_batch_size, or less where the TPOT governor says so
+        (refreshed when a step's measurement updates the step model)."""
+        return self._running_cap
+
+    def _refresh_running_cap(self) -> None:
         cap = self.config.max_batch_size
         if self.governor is not None:
             cap = min(cap, self.governor.max_running(self.load.service))
-        return cap
+            self.load.batch_cap = cap
+        self._running_cap = cap
 
     # ---- arrivals and aborts -------------------------------------------------------------
     def add_request(self, req: Request, now: float) -> Rejection | None:
@@ -185,24 +192,25 @@ class Scheduler:
         if self._inflight is not None:
             raise RuntimeError(f"step {self._inflight.step_id} is still in flight; call on_step_done first")
         decodes, waiting = self.decodes, self.waiting
-        if not decodes and not self.prefilling and not waiting:
+        if not decodes.reqs and not self.prefilling and not waiting:
             return IDLE
         cfg = self.config
-        if self.governor is not None:
-            self.load.batch_cap = self.max_running()
         load = self.load.load(now)
         self.last_load = load
         regime = self.regime.update(now, load, self.predicted_queue_delay_s(now) / cfg.admission.target_ttft_s,
                                     self.blocks.usage())
         budget = StepBudget(cfg.max_num_batched_tokens, cfg.max_batch_size)
         new_block_ids: dict[str, list[int]] = {}
-        num_preempted = self._grow_decodes(new_block_ids) if decodes else 0
+        num_preempted = self._grow_decodes(new_block_ids) if decodes.reqs else 0
         sched = decodes.ones.copy()
         n_dec = len(sched)
         budget.take_decodes(n_dec)
         wanted_tokens = budget.tokens_left
         if self.governor is not None:
-            self.governor.set_strict(regime is Regime.OVERLOAD)
+            strict = regime is Regime.OVERLOAD
+            if strict != (self.governor.profile is STRICT):
+                self.governor.set_strict(strict)
+                self._refresh_running_cap()
             budget.tokens_left = min(budget.tokens_left,
                                      self.governor.prefill_allowance(self.load.service, n_dec, self._oldest_wait(now),
                                                                      cfg.admission.target_ttft_s))
@@ -248,6 +256,7 @@ class Scheduler:
         self.load.prefill.on_step(now, plan.num_prefill_tokens, self._had_backlog)
         if self.governor is not None:
             self.governor.on_step(plan.num_decode_seqs, result.device_time_s)
+            self._refresh_running_cap()
         sampled = result.sampled_token_ids
         if self._aborted_inflight:
             aborted = self._aborted_inflight
@@ -255,9 +264,9 @@ class Scheduler:
             aborted.clear()
         finished: list[Request] = []
         decodes = self.decodes
-        if decodes:
+        if decodes.reqs:
             decodes.append_tokens(sampled)
-            self.stats.num_generated_tokens += len(decodes)
+            self.stats.num_generated_tokens += len(decodes.reqs)
             self._finish_decodes(sampled, now, finished)
         first = self._advance_prefills(plan, sampled, now, finished)
         return StepOutputs(sampled, first, finished, result.logprobs)
@@ -337,7 +346,7 @@ class Scheduler:
         limit = cfg.batching.static_batch_size if self._static else (cfg.max_new_requests_per_step or math.inf)
         if self.governor is not None:
             limit = min(limit, self.max_running() - self.num_running)
-        keep_free = blocks.watermark_blocks if (self.decodes or self.prefilling) else 0
+        keep_free = blocks.watermark_blocks if (self.decodes.reqs or self.prefilling) else 0
         chunked = cfg.enable_chunked_prefill
         admitted = total = 0
         while waiting and admitted < limit:
