@@ -45,44 +45,83 @@ def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]
     return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
+def decode_groups(widths: list[int], max_groups: int = 4) -> list[tuple[int, int, int]]:
+    """(start, end, width) runs of ascending block-table widths, a new run when the width doubles.
+
+    Each run gathers only up to its own widest table, instead of every decode up to the
+    batch's widest (decodes of very different lengths would mostly gather padding).
+    """
+    groups: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(widths) + 1):
+        if i == len(widths) or (widths[i] > 2 * widths[start] and len(groups) < max_groups - 1):
+            groups.append((start, i, widths[i - 1]))
+            start = i
+    return groups
+
+
 def build_inputs(plan: Any, states: dict[str, RequestState], block_size: int, scratch_block: int,
                  device: torch.device, decode_width: int | None = None) -> StepInputs:
-    """Decodes first (one token each), then prefill chunks, in the plan's order."""
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    dec_tables: list[list[int]] = []
-    dec_lens: list[int] = []
-    spans: list[tuple[int, int, int, list[int]]] = []
-    sample_rids: list[str] = []
-    sample_idx: list[int] = []
-    sample_pos: list[int] = []
+    """Decodes first (one token each, by ascending context), then prefill chunks in plan order.
+
+    The runner maps results back by request id, so the flat order is its own choice: sorted
+    decodes make the length groups of the decode attention contiguous slices.
+    """
+    decodes: list[tuple[str, RequestState]] = []
+    prefills: list[tuple[str, RequestState, int]] = []
     prefill_ctx = plan.prefill_context
     for rid, n in plan.num_scheduled_tokens.items():
         st = states.get(rid)
         if st is None:
             raise AssertionError(f"step {plan.step_id}: {rid} is scheduled but was never introduced")
-        ctx, end, t = st.num_computed, st.num_computed + n, len(ids)
+        ctx, end = st.num_computed, st.num_computed + n
         if end > len(st.token_ids) or n < 1:
             raise AssertionError(f"step {plan.step_id}: {rid} schedules {n} tokens at {ctx} "
                                  f"but knows {len(st.token_ids)}")
-        nblocks = -(-end // block_size)
-        if nblocks > len(st.block_table):
-            raise AssertionError(f"step {plan.step_id}: {rid} needs {nblocks} blocks, holds {len(st.block_table)}")
+        if -(-end // block_size) > len(st.block_table):
+            raise AssertionError(f"step {plan.step_id}: {rid} needs {-(-end // block_size)} blocks, "
+                                 f"holds {len(st.block_table)}")
         if rid in prefill_ctx:
             if prefill_ctx[rid] != ctx:
                 raise AssertionError(f"step {plan.step_id}: {rid} prefill context {prefill_ctx[rid]} != tracked {ctx}")
-            ids.extend(st.token_ids[ctx:end])
-            pos.extend(range(ctx, end))
-            spans.append((t, n, ctx, st.block_table[:nblocks]))
+            prefills.append((rid, st, n))
+        elif prefills or n != 1 or end != len(st.token_ids):
+            raise AssertionError(f"step {plan.step_id}: decode {rid} out of order or not at its last token")
         else:
-            if spans or n != 1 or end != len(st.token_ids):
-                raise AssertionError(f"step {plan.step_id}: decode {rid} out of order or not at its last token")
-            ids.append(st.token_ids[ctx])
-            pos.append(ctx)
-            dec_tables.append(st.block_table[:nblocks])
-            dec_lens.append(end)
-        slots.extend(_slots(st.block_table, ctx, end, block_size))
+            decodes.append((rid, st))
+    decodes.sort(key=lambda item: item[1].num_computed)
+    return _assemble(decodes, prefills, block_size, scratch_block, device, decode_width)
+
+
+def _assemble(decodes: list[tuple[str, RequestState]], prefills: list[tuple[str, RequestState, int]],
+              block_size: int, scratch_block: int, device: torch.device, decode_width: int | None) -> StepInputs:
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    dec_tables: list[list[int]] = []
+    dec_lens: list[int] = []
+    spans: list[PrefillSpan] = []
+    sample_rids: list[str] = []
+    sample_idx: list[int] = []
+    sample_pos: list[int] = []
+    for rid, st in decodes:
+        ctx = st.num_computed
+        table = st.block_table
+        ids.append(st.token_ids[ctx])
+        pos.append(ctx)
+        slots.append(table[ctx // block_size] * block_size + ctx % block_size)
+        dec_tables.append(table[:ctx // block_size + 1])
+        dec_lens.append(ctx + 1)
+        sample_rids.append(rid)
+        sample_idx.append(len(ids) - 1)
+        sample_pos.append(ctx + 1)
+    for rid, st, n in prefills:
+        ctx, end, table = st.num_computed, st.num_computed + n, st.block_table
+        spans.append(PrefillSpan(len(ids), n, ctx, torch.tensor(table[:-(-end // block_size)], dtype=torch.long,
+                                                                  device=device)))
+        ids.extend(st.token_ids[ctx:end])
+        pos.extend(range(ctx, end))
+        slots.extend(_slots(table, ctx, end, block_size))
         if end == len(st.token_ids):
             sample_rids.append(rid)
             sample_idx.append(len(ids) - 1)
@@ -92,7 +131,8 @@ def build_inputs(plan: Any, states: dict[str, RequestState], block_size: int, sc
         num_decodes=len(dec_tables),
         decode_block_tables=_decode_tables(dec_tables, scratch_block, decode_width).to(device) if dec_tables else None,
         decode_context_lens=torch.tensor(dec_lens, dtype=torch.long, device=device) if dec_tables else None,
-        prefills=[PrefillSpan(s, n, c, torch.tensor(tb, dtype=torch.long, device=device)) for s, n, c, tb in spans],
+        prefills=spans,
+        decode_groups=decode_groups([len(t) for t in dec_tables]) if dec_tables and decode_width is None else None,
     )
     return StepInputs(torch.tensor(ids, dtype=torch.long, device=device),
                       torch.tensor(pos, dtype=torch.long, device=device), meta, sample_rids,

@@ -2,8 +2,10 @@
 
 Measures p50/p99 microseconds per step for N no-op workers (TP=2 and an 8-way fan-out) with
 (a) plain Ray actor calls (`ray.get` of N `.remote()` refs, and the asyncio form the router
-uses) and (b) a Ray Compiled Graph (`InputNode` -> N `execute` -> `MultiOutputNode`,
-`experimental_compile`, sync and asyncio). The payload is a realistic StepPlan (64 running
+uses), (b) a Ray Compiled Graph (`InputNode` -> N `execute` -> `MultiOutputNode`,
+`experimental_compile`, sync and asyncio) and (c) driver broadcast: one Ray call to rank 0,
+which broadcasts the plan to the other ranks over gloo (`broadcast_object_list`) while they
+wait in a blocking loop. The payload is a realistic StepPlan (64 running
 decodes). Workers are `num_cpus=0` actors so 8 fit on a 2-CPU box; compiled-graph workers
 spin a core while the graph exists, so each graph is torn down before the next case.
 
@@ -34,6 +36,60 @@ class NoopWorker:
         if self.rank:
             return None
         return StepResult(plan.step_id, dict.fromkeys(plan.num_scheduled_tokens, 7), 0.0)
+
+
+class BroadcastWorker:
+    """Rank 0 takes the plan from the router and broadcasts it over gloo; the others wait in a
+    blocking loop (no spinning) and do nothing with it. One Ray call per step, whatever the TP."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def address(self) -> tuple[str, int]:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return "127.0.0.1", s.getsockname()[1]
+
+    def init(self, host: str, port: int) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([plan], src=0)
+        if plan is None:
+            return StepResult(-1, {}, 0.0)
+        return StepResult(plan.step_id, dict.fromkeys(plan.num_scheduled_tokens, 7), 0.0)
+
+    def follow(self) -> int:
+        import torch.distributed as dist
+
+        steps = 0
+        while True:
+            box: list[StepPlan | None] = [None]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is None:
+                return steps
+            steps += 1
+
+
+def bench_broadcast(n: int, steps: int, warmup: int) -> dict[str, float]:
+    actor = ray.remote(BroadcastWorker).options(num_cpus=0, max_concurrency=2)
+    workers = [actor.remote(r, n) for r in range(n)]
+    host, port = ray.get(workers[0].address.remote())
+    ray.get([w.init.remote(host, port) for w in workers])
+    loops = [w.follow.remote() for w in workers[1:]]
+    try:
+        return _time_sync(lambda p: ray.get(workers[0].execute.remote(p)), steps, warmup)
+    finally:
+        ray.get(workers[0].execute.remote(None))  # type: ignore[arg-type]  # None ends the follower loops
+        ray.get(loops)
+        for w in workers:
+            ray.kill(w)
 
 
 def make_plan(step: int, batch: int = 64) -> StepPlan:
@@ -135,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for n in args.fanout:
             row = bench_plain(n, args.steps, args.warmup)
+            row["broadcast_sync"] = bench_broadcast(n, args.steps, args.warmup)
             for key, use_asyncio in (("compiled_sync", False), ("compiled_async", True)):
                 try:
                     row[key] = bench_compiled(n, args.steps, args.warmup, use_asyncio)

@@ -9,9 +9,10 @@ Token `t` of a request lives in block `block_table[t // block_size]`, slot `t % 
 so its flat slot is `block * block_size + t % block_size` (`slot_mapping`).
 
 Paths:
-- portable (CPU, and GPU without a kernel package): decodes are attended in one batched SDPA
-  call over their gathered blocks with a length mask (the G query heads of a GQA group act as
-  G queries against one KV head, so no K/V repeat); prefill chunks one SDPA call each, causal
+- portable (CPU, and GPU without a kernel package): decodes are attended in batched SDPA calls
+  over their gathered blocks with a length mask, one per run of similar lengths (decodes come
+  sorted by length, so a short one never gathers a long one's padding); the G query heads of a
+  GQA group act as G queries against one KV head, so no K/V repeat; prefill chunks one SDPA call each, causal
   with the chunk's offset. A chunk starting at position 0 attends over its own fresh K/V.
 - flash (CUDA, `flash_attn` installed, block_size a multiple of 256 as upstream flash-attn's
   paged KV requires): `flash_attn_with_kvcache` for decodes, `flash_attn_varlen_func` with a
@@ -52,6 +53,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [D, W] (padded with the scratch block)
     decode_context_lens: torch.Tensor | None  # [D] KV length including this step's token
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # (start, end, width): decodes sorted by length, each run attended up to its own widest table
+    decode_groups: list[tuple[int, int, int]] | None = None
     use_flash: bool = False
     # flash path only: varlen description of the prefill chunks
     prefill_cu_q: torch.Tensor | None = None
@@ -129,8 +132,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         return out
     d = meta.num_decodes
     if d:
-        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
-        out[:d] = decode_attention(q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        assert tables is not None and lens is not None
+        for s, e, w in meta.decode_groups or [(0, d, tables.shape[1])]:
+            out[s:e] = decode_attention(q[s:e], k_cache, v_cache, tables[s:e, :w], lens[s:e], scale)
     for span in meta.prefills:
         s, e = span.start, span.start + span.length
         out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, span, scale)
