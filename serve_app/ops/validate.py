@@ -56,11 +56,15 @@ def crd_schema(kind: str, version: str = "v1") -> dict[str, Any]:
     return strict(copy.deepcopy(ver["schema"]["openAPIV3Schema"]))
 
 
-def schema_errors(obj: dict[str, Any]) -> list[str]:
+@functools.cache
+def _validator(kind: str, version: str) -> Any:
     import jsonschema
 
-    version = obj.get("apiVersion", "").rpartition("/")[2]
-    validator = jsonschema.Draft7Validator(crd_schema(obj["kind"], version))
+    return jsonschema.Draft7Validator(crd_schema(kind, version))
+
+
+def schema_errors(obj: dict[str, Any]) -> list[str]:
+    validator = _validator(obj["kind"], obj.get("apiVersion", "").rpartition("/")[2])
     return [f"{'/'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
             for e in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path)))]
 
