@@ -113,3 +113,13 @@ def test_sliding_window_below_context_is_refused() -> None:
     check_servable(cfg, 512)
     with pytest.raises(NotImplementedError, match="sliding"):
         check_servable(cfg, 2048)
+
+
+def test_decode_groups_split_where_the_width_doubles() -> None:
+    from actors.input_batch import decode_groups
+
+    assert decode_groups([3]) == [(0, 1, 3)]
+    assert decode_groups([2, 2, 3, 4]) == [(0, 4, 4)]
+    assert decode_groups([1, 1, 2, 3, 5, 8, 13, 21, 40]) == [(0, 3, 2), (3, 5, 5), (5, 7, 13), (7, 9, 40)]
+    groups = decode_groups([1, 3, 7, 15, 31, 63], max_groups=3)
+    assert len(groups) == 3 and groups[-1] == (2, 6, 63)  # the rest merge into the last run
