@@ -49,6 +49,8 @@ from serve_app.core.stats import SchedulerStats
 from serve_app.core.tpot import STRICT, TpotGovernor
 
 IDLE = Idle()
+OBSERVE_PERIOD_S = 0.05
+"""How often (in `now` units) load and regime are re-evaluated at step boundaries."""
 
 
 class Scheduler:
@@ -81,6 +83,7 @@ class Scheduler:
         self.governor = (TpotGovernor(adm.target_tpot_s)
                          if adm.enabled and adm.target_tpot_s and config.batching.mode == "adaptive" else None)
         self._had_backlog = False
+        self._next_observe_s = -math.inf
         self._running_cap = config.max_batch_size
         self._refresh_running_cap()
 
@@ -135,6 +138,15 @@ class Scheduler:
         behind = len(self.waiting) + 1 - (self.max_running() - self.num_running)
         slot_s = behind / self.load.departure_rate(now) if behind > 0 else 0.0
         return (prefill_s + slot_s) * (self.load.ttft_correction.factor if corrected else 1.0)
+
+    def _observe(self, now: float) -> None:
+        """Refresh load and regime. Regime changes need a sustained signal (>= min_dwell_s), so
+        evaluating every OBSERVE_PERIOD_S instead of every step loses nothing and keeps the
+        per-step cost flat."""
+        self._next_observe_s = now + OBSERVE_PERIOD_S
+        self.last_load = load = self.load.load(now)
+        self.regime.update(now, load, self.predicted_queue_delay_s(now) / self.config.admission.target_ttft_s,
+                           self.blocks.usage())
 
     def max_running(self) -> int:
         """The running-batch cap: max_batch_size, or less where the TPOT governor says so
@@ -195,10 +207,9 @@ class Scheduler:
         if not decodes.reqs and not self.prefilling and not waiting:
             return IDLE
         cfg = self.config
-        load = self.load.load(now)
-        self.last_load = load
-        regime = self.regime.update(now, load, self.predicted_queue_delay_s(now) / cfg.admission.target_ttft_s,
-                                    self.blocks.usage())
+        if now >= self._next_observe_s:
+            self._observe(now)
+        load, regime = self.last_load, self.regime.regime
         budget = StepBudget(cfg.max_num_batched_tokens, cfg.max_batch_size)
         new_block_ids: dict[str, list[int]] = {}
         num_preempted = self._grow_decodes(new_block_ids) if decodes.reqs else 0
@@ -213,7 +224,7 @@ class Scheduler:
                 self._refresh_running_cap()
             budget.tokens_left = min(budget.tokens_left,
                                      self.governor.prefill_allowance(self.load.service, n_dec, self._oldest_wait(now),
-                                                                     cfg.admission.target_ttft_s))
+                                                                     cfg.admission.target_ttft_s, self._running_cap))
         self._had_backlog = bool(waiting) or bool(self.prefilling)
         new_reqs: list[NewRequestData] = []
         prefill_ctx: dict[str, int] = {}
@@ -485,9 +496,10 @@ class Scheduler:
         stats = self.stats
         stats.num_steps += 1
         stats.dispatch[reason] += 1
-        stats.last_step = StepStats(now, plan.step_id, plan.num_seqs, plan.total_tokens, plan.num_decode_seqs,
-                                    plan.num_prefill_tokens, len(plan.new_requests), plan.padded_batch_size,
-                                    len(self.waiting), self.num_running, self.blocks.usage(), regime.value,
+        stats.last_step = StepStats(now, plan.step_id, len(plan.num_scheduled_tokens), plan.num_decode_seqs +
+                                    plan.num_prefill_tokens, plan.num_decode_seqs, plan.num_prefill_tokens,
+                                    len(plan.new_requests), plan.padded_batch_size, len(self.waiting),
+                                    len(self.decodes.reqs) + len(self.prefilling), self.blocks.usage(), regime.value,
                                     load, wait_s, reason, num_preempted)
 
     # ---- integrity ------------------------------------------------------------------------

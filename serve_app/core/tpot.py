@@ -81,7 +81,7 @@ class TpotGovernor:
         return max(1, int(room / per_seq))
 
     def prefill_allowance(self, svc: ServiceModel, num_decodes: int, oldest_wait_s: float,
-                          ttft_target_s: float) -> int:
+                          ttft_target_s: float, max_running: int) -> int:
         """Prefill tokens this step may hold (a large number means no limit)."""
         if num_decodes == 0:
             return 1 << 30
@@ -90,7 +90,7 @@ class TpotGovernor:
         if oldest_wait_s >= PRESSURE_FRACTION * ttft_target_s:
             # A prompt at risk may borrow against future steps; the fewer decodes share the
             # cost of a long step, the more it may borrow.
-            fill = min(1.0, num_decodes / self.max_running(svc))
+            fill = min(1.0, num_decodes / max_running)
             slack += max(prof.min_borrow_steps, prof.borrow_steps * (1.0 - fill)) * target
         avail = slack + target - svc.step_time(0, num_decodes) - svc.prefill_step_s
         return int(avail / svc.prefill_s_per_token) if avail > 0.0 else 0
