@@ -73,12 +73,13 @@ class RunSpec:
     autoscale: AutoscaleConfig | None = None
     provisioning_s: float = 300.0
     seed: int = 0
+    scheduler: SchedulerConfig | None = None  # an exact config (e.g. a Serve config's) instead of preset + SLO
 
 
 def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:
     # The admission targets follow the SLO, so the adaptive policy protects what is measured.
-    cfg = preset(policy, spec.base)
-    if cfg.admission.enabled:
+    cfg = spec.scheduler or preset(policy, spec.base)
+    if spec.scheduler is None and cfg.admission.enabled:
         cfg = dataclasses.replace(cfg, admission=dataclasses.replace(cfg.admission, target_ttft_s=spec.slo.ttft_s,
                                                                      target_tpot_s=spec.slo.tpot_s))
     config = SimConfig(cfg, executor_factory(spec.cost_model), spec.slo, num_units=spec.units,
