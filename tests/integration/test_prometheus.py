@@ -1,0 +1,207 @@
+"""Every PromQL expression of the dashboards and alert rules, against a real Prometheus scraping a
+real Serve run: it parses (Prometheus answers 400 to a parse error) and returns data.
+
+A throwaway Prometheus (Debian's `prometheus`, `make prometheus`) listens on loopback with its
+own config and storage, scrapes Ray's metrics export port every second and evaluates the shipped
+rule file (k8s/prometheus/tidalserve-rules.yaml) every second. Load goes to the simulated A100
+unit at /sim: one burst of long prompts, several times its capacity, so admission control
+answers 429 and the rejection series exist; then a trickle keeps every counter moving while
+Ray exports (about every 10 s) so rates and quantiles have values, not only series.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from serve_app.ops import alerts, dashboards, promql
+from serve_app.ops.grafana_panels import expressions
+from serve_app.ops.targets import load_targets
+from tests.integration.conftest import ROOT, ServeCluster, free_port
+
+pytestmark = pytest.mark.ray
+RULE_FILE = ROOT / "k8s" / "prometheus" / "tidalserve-rules.yaml"
+SIM_MODEL = "sim-llama-70b-a100"
+GAP_RETRY_S = 15.0
+
+EMPTY_PANEL_QUERIES = {
+    ("Preemptions by reason", "{{reason}}"): "no request is preempted: the simulated A100 KV pool is far larger "
+                                             "than a short test fills",
+    ("Engine errors by kind", "{{unit}} {{kind}}"): "no engine fails in a healthy run (the counter has no series "
+                                                    "until the first error)",
+    ("Units and autoscaling", "desired (policy)"): "the test configs run fixed num_replicas, so the tidalserve "
+                                                   "autoscaling policy never runs and never sets its gauges",
+    ("Units and autoscaling", "demand (policy)"): "as above: only set by the autoscaling policy (prod.yaml)",
+}
+EMPTY_SIGNALS = {
+    ("TidalUnitDown", 0): "no unit vanished in the last 15 minutes",
+    ("TidalEngineErrors", 0): "no engine error, so the counter has no series",
+    ("TidalNoUnitsReporting", 0): "absent() is empty while units report: that is the healthy state",
+}
+
+
+@pytest.fixture(scope="module")
+def prometheus(serve_cluster: ServeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus is not installed (make prometheus)")
+    work = tmp_path_factory.mktemp("prometheus")
+    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+              "rule_files": [str(RULE_FILE)],
+              "scrape_configs": [{"job_name": "ray", "static_configs": [
+                  {"targets": [f"127.0.0.1:{serve_cluster.metrics_port}"]}]}]}
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    log = (work / "prometheus.log").open("w")
+    proc = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: httpx.get(f"{url}/-/ready", timeout=2).status_code == 200, 30, "prometheus ready")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
+
+
+def _wait(ok: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if ok():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"no {what} after {timeout_s:.0f} s")
+
+
+def _burst(base: str, n: int) -> list[int]:
+    async def one(client: httpx.AsyncClient) -> int:
+        r = await client.post(f"{base}/sim/v1/completions", json={
+            "model": SIM_MODEL, "prompt": "word " * 1500, "max_tokens": 16, "ignore_eos": True})
+        return r.status_code
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=n)) as client:
+            return list(await asyncio.gather(*(one(client) for _ in range(n))))
+
+    return asyncio.run(run())
+
+
+def _trickle(base: str, stop: threading.Event) -> None:
+    with httpx.Client(timeout=60) as client:
+        while not stop.is_set():
+            client.post(f"{base}/sim/v1/completions", json={
+                "model": SIM_MODEL, "prompt": "word " * 200, "max_tokens": 8, "ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def loaded(serve_cluster: ServeCluster, prometheus: str) -> Iterator[str]:
+    base = serve_cluster.base_url
+    statuses = _burst(base, 120)
+    assert 429 in statuses and 200 in statuses, statuses
+    httpx.post(f"{base}/v1/completions", json={"model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 2},
+               timeout=60)  # the local unit reports its gauges after its first request
+    stop = threading.Event()
+    threads = [threading.Thread(target=_trickle, args=(base, stop), daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        _wait(lambda: _query(prometheus, "sum(rate(ray_tidal_requests_arrived_total[1m])) > 0")
+              and _query(prometheus, "ray_tidal_rejections_total"), 45, "moving tidal series in Prometheus")
+        yield prometheus
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+
+
+def _query(prom: str, expr: str) -> list[dict[str, Any]]:
+    r = httpx.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=10)
+    assert r.status_code == 200, f"{r.status_code} {r.text[:300]} for {expr}"
+    body = r.json()
+    assert body["status"] == "success", body
+    return list(body["data"]["result"])
+
+
+def _check(prom: str, name: tuple[str, Any], expr: str, allowed_empty: dict[tuple[str, Any], str]) -> int:
+    query = promql.substitute_grafana_vars(expr, rate_interval="1m", time_range="5m")
+    result = _query(prom, query)  # parses, or fails here
+    if name in allowed_empty:
+        return 0
+    # Ray's metrics agent drops a gauge it has not heard of for two export intervals (20 s); on a
+    # loaded machine a late export leaves a short gap, so an empty answer is retried a while.
+    deadline = time.monotonic() + GAP_RETRY_S
+    while not result and time.monotonic() < deadline:
+        time.sleep(1.0)
+        result = _query(prom, query)
+    if not result:
+        present = {n: len(_query(prom, n)) for n in sorted(promql.metric_names(expr))}
+        raise AssertionError(f"{name}: no data for {expr} (series per name: {present})")
+    return len(result)
+
+
+def test_every_dashboard_expression_parses_and_has_data(loaded: str) -> None:
+    dash = dashboards.serving_dashboard(load_targets())
+    legends = {t["expr"]: t["legendFormat"] for p in dash["panels"] for t in p.get("targets", [])}
+    checked = [(title, legends[expr], expr) for title, expr in expressions(dash)]
+    for title, legend, expr in checked:
+        _check(loaded, (title, legend), expr, EMPTY_PANEL_QUERIES)
+    assert len(checked) > 40
+    units = httpx.get(f"{loaded}/api/v1/label/unit/values", params={"match[]": "ray_tidal_regime"}, timeout=10)
+    assert len(units.json()["data"]) == 2  # the unit variable: both deployed units (local and sim)
+
+
+def test_latency_quantiles_have_values(loaded: str) -> None:
+    dash = dashboards.serving_dashboard(load_targets())
+    for title in ("Time to first token", "End-to-end latency", "Inter-token latency", "Batch size"):
+        (panel,) = [p for p in dash["panels"] if p["title"] == title]
+        for target in panel["targets"]:
+            (sample,) = _query(loaded, promql.substitute_grafana_vars(target["expr"], rate_interval="1m"))
+            assert math.isfinite(float(sample["value"][1])), (title, target["legendFormat"], sample)
+
+
+def test_every_alert_expression_parses_and_every_signal_has_data(loaded: str) -> None:
+    rules = alerts.build_rules(load_targets())
+    for rule in rules:
+        _query(loaded, rule.expr())  # parses (an alert's own result is empty unless it fires)
+        for i, condition in enumerate(rule.conditions):
+            _check(loaded, (rule.name, i), condition.signal, EMPTY_SIGNALS)
+    check = subprocess.run(["promtool", "check", "rules", str(RULE_FILE)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_prometheus_evaluates_the_shipped_rules_without_errors(loaded: str) -> None:
+    def evaluated() -> list[dict[str, Any]]:
+        groups = httpx.get(f"{loaded}/api/v1/rules", timeout=10).json()["data"]["groups"]
+        return [r for g in groups for r in g["rules"]]
+
+    _wait(lambda: all(r.get("lastEvaluation", "").startswith("20") for r in evaluated()), 10, "rule evaluations")
+    rules = evaluated()
+    assert {r["name"] for r in rules} == {r.name for r in alerts.build_rules(load_targets())}
+    assert [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []
+
+
+def test_serve_metric_names_exist_in_the_live_scrape(loaded: str) -> None:
+    for name in promql.SERVE_METRICS:
+        assert _query(loaded, f'count({{__name__="{name}"}})'), f"{name} is not exported by this Ray"
+    healthy = _query(loaded, f'{promql.SERVE_REPLICA_HEALTHY}{{deployment="{promql.SERVE_DEPLOYMENT}"}}')
+    units = {s["metric"]["unit"] for s in _query(loaded, "ray_tidal_regime")}
+    assert units <= {s["metric"]["replica"] for s in healthy}  # Serve's replica id is our unit id
