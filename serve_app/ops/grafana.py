@@ -68,7 +68,7 @@ def with_default_datasource(dash: dict[str, Any]) -> dict[str, Any]:
 def push(url: str, token: str, dashboards: dict[str, dict[str, Any]], *, prometheus_url: str | None = None,
          folder: str | None = FOLDER_TITLE, timeout_s: float = 10.0) -> list[str]:
     """Push every dashboard; returns what was done, one line per action."""
-    from grafana_client import GrafanaApi
+    from grafana_client.api import GrafanaApi
 
     api = GrafanaApi.from_url(url, credential=token, timeout=timeout_s)
     actions: list[str] = []

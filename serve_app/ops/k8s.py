@@ -149,7 +149,7 @@ def _worker(p: ClusterProfile, units: Units, image: str, serve_port: int, model_
     # Serve drains the proxy of a node without replicas (503 on /-/healthz): not ready = no traffic.
     ready = (_probe("/-/healthz", serve_port, initial=10, failures=10) if proxies_on_workers
              else _probe("/api/healthz", AGENT_PORT, initial=10, failures=10))
-    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": p.shm}}]
     if p.model_volume:
         mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})

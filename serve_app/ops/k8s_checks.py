@@ -37,7 +37,8 @@ def _groups(cluster: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _container(group: dict[str, Any]) -> dict[str, Any]:
-    return ((group.get("template") or {}).get("spec") or {}).get("containers", [{}])[0]
+    container: dict[str, Any] = ((group.get("template") or {}).get("spec") or {}).get("containers", [{}])[0]
+    return container
 
 
 def _ports(container: dict[str, Any]) -> dict[str, int]:

@@ -31,7 +31,7 @@ PATCH_DEPTH_KEYS = ("spec", "spec/rayClusterConfig")
 """The sim-cpu patch replaces whole fields at these two levels (no index-based surgery)."""
 
 
-class _Dumper(yaml.SafeDumper):
+class _Dumper(yaml.SafeDumper):  # type: ignore[misc]  # no stubs for pyyaml
     pass
 
 
@@ -49,8 +49,9 @@ _Dumper.add_representer(str, _str)
 
 
 def to_yaml(obj: Any) -> str:
-    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100_000,
-                     allow_unicode=True)
+    text: str = yaml.dump(obj, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100_000,
+                          allow_unicode=True)
+    return text
 
 
 def _source(path: Path) -> str:

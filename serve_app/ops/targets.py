@@ -54,7 +54,8 @@ def tidal_app(config: dict[str, Any]) -> dict[str, Any]:
     apps = [a for a in config.get("applications") or [] if a.get("import_path") == TIDAL_IMPORT_PATH]
     if len(apps) != 1:
         raise ValueError(f"expected exactly one application with import_path {TIDAL_IMPORT_PATH}, found {len(apps)}")
-    return apps[0]
+    app: dict[str, Any] = apps[0]
+    return app
 
 
 def deployment(app: dict[str, Any], name: str) -> dict[str, Any]:

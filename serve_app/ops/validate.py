@@ -53,7 +53,8 @@ def strict(schema: Any) -> Any:
 def crd_schema(kind: str, version: str = "v1") -> dict[str, Any]:
     crd = yaml.load((CRD_DIR / CRD_FILES[kind]).read_text(), Loader=yaml.CSafeLoader)
     (ver,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
-    return strict(copy.deepcopy(ver["schema"]["openAPIV3Schema"]))
+    schema: dict[str, Any] = strict(copy.deepcopy(ver["schema"]["openAPIV3Schema"]))
+    return schema
 
 
 @functools.cache

@@ -27,7 +27,7 @@ import yaml
 from serve_app.ops import alerts, dashboards, promql
 from serve_app.ops.grafana_panels import expressions
 from serve_app.ops.targets import load_targets
-from tests.integration.conftest import ROOT, ServeCluster, free_port
+from tests.integration.conftest import ROOT, ServeCluster, free_port, unit_state
 
 pytestmark = pytest.mark.ray
 RULE_FILE = ROOT / "k8s" / "prometheus" / "tidalserve-rules.yaml"
@@ -131,6 +131,12 @@ def loaded(serve_cluster: ServeCluster, prometheus: str) -> Iterator[str]:
         stop.set()
         for t in threads:
             t.join(timeout=60)
+        # Leave the shared simulated unit as the next test module expects it: drained, out of OVERLOAD.
+        _wait(lambda: _settled(unit_state("sim")), 60, "the simulated unit to settle")
+
+
+def _settled(state: dict[str, Any]) -> bool:
+    return bool(state["num_requests"] == 0 and state["regime_name"] != "overload")
 
 
 def _query(prom: str, expr: str) -> list[dict[str, Any]]:
