@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -70,7 +71,11 @@ class EngineLoop:
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="tidal-engine-loop")
+            # A fresh context, not the caller's: started from inside the first request, the loop would
+            # inherit that request's Ray task id, and when that request is cancelled (its client left)
+            # Ray cancels its child tasks too: the TP workers' step in flight, failing the whole unit.
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="tidal-engine-loop",
+                                                                context=contextvars.Context())
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -142,30 +142,32 @@ class ServiceModel:
 class PrefillThroughput:
     """Prompt tokens per second the unit actually computes while prompts are queued.
 
-    Only intervals with a backlog count (otherwise the rate would measure demand, not
-    service); both sums decay with `tau_s`, so the figure follows the current batch mix.
+    Only steps that began with a backlog count, each for its own duration (otherwise the rate
+    would measure demand, or idle time, not service); both sums decay with `tau_s`, so the
+    figure follows the current batch mix. A figure older than `3 * tau_s` is dropped: a rate
+    measured in the evening peak says nothing about the night.
     """
 
-    __slots__ = ("_t_last", "_time", "_tokens", "tau_s")
+    __slots__ = ("_t_backlog", "_time", "_tokens", "tau_s")
 
     def __init__(self, tau_s: float) -> None:
         self.tau_s = tau_s
         self._tokens = 0.0
         self._time = 0.0
-        self._t_last: float | None = None
+        self._t_backlog = -math.inf
 
-    def on_step(self, now: float, prefill_tokens: int, had_backlog: bool) -> None:
-        last, self._t_last = self._t_last, now
-        if last is None or not had_backlog or now <= last:
+    def on_step(self, now: float, step_s: float, prefill_tokens: int) -> None:
+        """A step that began with prompts queued took `step_s` and computed `prefill_tokens`."""
+        if step_s <= 0.0:
             return
-        dt = now - last
-        decay = math.exp(-dt / self.tau_s)
+        decay = math.exp(-min(now - self._t_backlog, 10.0 * self.tau_s) / self.tau_s)
         self._tokens = self._tokens * decay + prefill_tokens
-        self._time = self._time * decay + dt
+        self._time = self._time * decay + step_s
+        self._t_backlog = now
 
-    def rate(self, min_busy_s: float = 1.0) -> float | None:
-        """Tokens/s, or None until `min_busy_s` of backlogged time has been seen."""
-        if self._time < min_busy_s or self._tokens <= 0.0:
+    def rate(self, now: float, min_busy_s: float = 1.0) -> float | None:
+        """Tokens/s, or None until `min_busy_s` of backlogged time has been seen recently."""
+        if self._time < min_busy_s or self._tokens <= 0.0 or now - self._t_backlog > 3.0 * self.tau_s:
             return None
         return self._tokens / self._time
 
@@ -175,24 +177,29 @@ class PredictionCorrection:
 
     The queueing model is simple on purpose; this factor (EWMA sums of both, weight 0.02,
     clamped to [0.5, 4]) absorbs what it misses - the TPOT governor throttling prefill,
-    bursts of long prompts - so admission acts on predictions that measurements back.
+    bursts of long prompts - so admission acts on predictions that measurements back. What it
+    learned fades back to 1 with time constant `fade_s` when no first token confirms it (the
+    error of a busy hour is not the error of a quiet one).
     """
 
-    __slots__ = ("_actual", "_predicted")
+    __slots__ = ("_actual", "_predicted", "_t_last", "fade_s")
 
-    def __init__(self) -> None:
+    def __init__(self, fade_s: float = 60.0) -> None:
         self._actual = 0.0
         self._predicted = 0.0
+        self._t_last = -math.inf
+        self.fade_s = fade_s
 
-    def observe(self, predicted_s: float, actual_s: float) -> None:
+    def observe(self, now: float, predicted_s: float, actual_s: float) -> None:
         self._actual = 0.98 * self._actual + 0.02 * actual_s
         self._predicted = 0.98 * self._predicted + 0.02 * predicted_s
+        self._t_last = now
 
-    @property
-    def factor(self) -> float:
+    def factor(self, now: float) -> float:
         if self._predicted <= 1e-6:
             return 1.0
-        return max(0.5, min(4.0, self._actual / self._predicted))
+        learned = max(0.5, min(4.0, self._actual / self._predicted))
+        return 1.0 + (learned - 1.0) * math.exp(-max(0.0, now - self._t_last) / self.fade_s)
 
 
 class LoadEstimator:

@@ -83,6 +83,7 @@ class Scheduler:
         self.governor = (TpotGovernor(adm.target_tpot_s)
                          if adm.enabled and adm.target_tpot_s and config.batching.mode == "adaptive" else None)
         self._had_backlog = False
+        self._scheduled_at = 0.0
         self._next_observe_s = -math.inf
         self._running_cap = config.max_batch_size
         self._refresh_running_cap()
@@ -129,7 +130,7 @@ class Scheduler:
         """
         n_dec = len(self.decodes.reqs)
         backlog = self.backlog_prefill_tokens() + own_prompt_tokens
-        measured = self.load.prefill.rate()
+        measured = self.load.prefill.rate(now)
         if measured is not None:
             prefill_s = backlog / measured
         else:
@@ -137,7 +138,7 @@ class Scheduler:
             prefill_s = self.load.service.drain_time(backlog, n_dec, per_step)
         behind = len(self.waiting) + 1 - (self.max_running() - self.num_running)
         slot_s = behind / self.load.departure_rate(now) if behind > 0 else 0.0
-        return (prefill_s + slot_s) * (self.load.ttft_correction.factor if corrected else 1.0)
+        return (prefill_s + slot_s) * (self.load.ttft_correction.factor(now) if corrected else 1.0)
 
     def _observe(self, now: float) -> None:
         """Refresh load and regime. Regime changes need a sustained signal (>= min_dwell_s), so
@@ -226,6 +227,7 @@ class Scheduler:
                                      self.governor.prefill_allowance(self.load.service, n_dec, self._oldest_wait(now),
                                                                      cfg.admission.target_ttft_s, self._running_cap))
         self._had_backlog = bool(waiting) or bool(self.prefilling)
+        self._scheduled_at = now
         new_reqs: list[NewRequestData] = []
         prefill_ctx: dict[str, int] = {}
         prefill_tokens = self._continue_prefills(budget, sched, prefill_ctx, new_reqs)
@@ -264,7 +266,8 @@ class Scheduler:
             raise RuntimeError(f"on_step_done for step {plan.step_id}, which is not the step in flight")
         self._inflight = None
         self.load.on_step(plan.num_prefill_tokens, plan.num_decode_seqs, result.device_time_s)
-        self.load.prefill.on_step(now, plan.num_prefill_tokens, self._had_backlog)
+        if self._had_backlog:
+            self.load.prefill.on_step(now, now - self._scheduled_at, plan.num_prefill_tokens)
         if self.governor is not None:
             self.governor.on_step(plan.num_decode_seqs, result.device_time_s)
             self._refresh_running_cap()
@@ -436,7 +439,7 @@ class Scheduler:
                 req.first_token_s = now
                 first.append(rid)
                 if req.predicted_ttft_s is not None:
-                    self.load.ttft_correction.observe(req.predicted_ttft_s, now - req.arrival_s)
+                    self.load.ttft_correction.observe(now, req.predicted_ttft_s, now - req.arrival_s)
             if self._hit_stop(req, tok):
                 self._finish(req, FinishReason.STOP, now, finished)
             elif len(req.output_token_ids) >= self.decodes.length_limit(req):
