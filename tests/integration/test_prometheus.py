@@ -171,8 +171,9 @@ def test_every_dashboard_expression_parses_and_has_data(loaded: str) -> None:
     for title, legend, expr in checked:
         _check(loaded, (title, legend), expr, EMPTY_PANEL_QUERIES)
     assert len(checked) > 40
-    units = httpx.get(f"{loaded}/api/v1/label/unit/values", params={"match[]": "ray_tidal_regime"}, timeout=10)
-    assert len(units.json()["data"]) == 2  # the unit variable: both deployed units (local and sim)
+    # The `unit` variable lists both deployed units (local and sim; each exports from its first request).
+    _wait(lambda: len(httpx.get(f"{loaded}/api/v1/label/unit/values", params={"match[]": "ray_tidal_regime"},
+                                timeout=10).json()["data"]) == 2, 30, "both units in the unit variable")
 
 
 def test_latency_quantiles_have_values(loaded: str) -> None:

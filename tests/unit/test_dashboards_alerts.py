@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -100,6 +101,14 @@ def test_slo_lines_and_alert_thresholds_come_from_the_config(tmp_path: Path) -> 
     assert _lines(_panel("Time to first token", dashboards.serving_dashboard(targets))) == [2.0]
     (burn,) = [r for r in alerts.build_rules(targets) if r.name == "TidalTTFTBudgetBurnFast"]
     assert 'le="2.0"' in burn.expr() and 'le="1.0"' not in burn.expr()
+
+
+def test_rendering_does_not_import_ray() -> None:
+    code = ("import sys; from serve_app.ops import manifests, cli; manifests.render_tree(); "
+            "print(sorted(m for m in ('ray', 'torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 def test_slo_target_must_be_a_bucket_boundary() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+from ray.serve.schema import ServeDeploySchema
 
 from serve_app.ops import k8s, kustomize, manifests, validate
 from serve_app.ops.k8s_checks import check_rayservice, quantity
@@ -58,6 +59,8 @@ def test_overlays_hold_what_they_should(prod_rs: Obj, sim_rs: Obj) -> None:
     assert [o["kind"] for o in kustomize.build(K8S / "overlays" / "sim-cpu")] == ["RayService"]
     assert prod_rs["spec"]["serveConfigV2"] == PROD_CONFIG.read_text()
     assert sim_rs["spec"]["serveConfigV2"] == SIM_CONFIG.read_text()
+    for rs in (prod_rs, sim_rs):  # also inside validate_object (check_serve_config starts with it)
+        ServeDeploySchema.model_validate(yaml.safe_load(rs["spec"]["serveConfigV2"]))
     worker = prod_rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
     assert worker["nodeSelector"] and worker["tolerations"]  # the placeholders the user edits
     images = {c["image"] for rs in (prod_rs, sim_rs) for c in _containers(rs)}
