@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.reliability import LOCAL_MODEL, is_drained, wait_drained
+from tests.integration.reliability.cluster import LOCAL_MODEL, is_drained, wait_drained
 from tests.unit.test_bad_input_matrix import CASES, check_answer, request_content
 
 pytestmark = pytest.mark.ray

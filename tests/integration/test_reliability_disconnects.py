@@ -16,15 +16,8 @@ import collections
 import httpx
 import pytest
 
-from tests.integration.reliability import (
-    LOCAL_MODEL,
-    SIM_MODEL,
-    Storm,
-    disconnect_storm,
-    is_drained,
-    unit_state,
-    wait_drained,
-)
+from tests.integration.reliability.cluster import LOCAL_MODEL, SIM_MODEL, is_drained, unit_state, wait_drained
+from tests.integration.reliability.storm import Storm, disconnect_storm
 
 pytestmark = pytest.mark.ray
 

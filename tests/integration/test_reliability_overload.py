@@ -21,15 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.reliability import (
-    Probe,
-    azure_trace,
-    is_drained,
-    load_figures,
-    run_load,
-    sim_capacity_rps,
-    wait_drained,
-)
+from tests.integration.reliability.cluster import is_drained, wait_drained
+from tests.integration.reliability.load import Probe, azure_trace, load_figures, run_load, sim_capacity_rps
 
 pytestmark = pytest.mark.ray
 DURATION_S = 15.0

@@ -16,16 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.reliability import (
+from tests.integration.reliability.cluster import is_drained, replicas_rss, wait_drained
+from tests.integration.reliability.load import (
     azure_trace,
-    is_drained,
-    replicas_rss,
     run_load,
     run_soak,
     sim_capacity_rps,
     soak_figures,
     soak_trace,
-    wait_drained,
 )
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

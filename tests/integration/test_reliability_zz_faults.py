@@ -29,7 +29,8 @@ import httpx
 import pytest
 
 from tests.integration.conftest import wait_healthy
-from tests.integration.reliability import LOCAL_MODEL, SIM_MODEL, FaultRun, run_fault, unit_state, wait_until
+from tests.integration.reliability.cluster import LOCAL_MODEL, SIM_MODEL, unit_state, wait_until
+from tests.integration.reliability.faults import FaultRun, run_fault
 
 pytestmark = pytest.mark.ray
 HANG_BOUND_S = 60.0  # "never hangs": far above the measured figures (docs/reliability.md)

@@ -9,15 +9,20 @@ OpenAI's error shape. (schemathesis' own `case.call()` goes through `requests`, 
 when `urllib3-future` - pulled in by grafana-client - shadows urllib3; so cases are sent with
 `as_transport_kwargs` through the test client instead.)
 
+Against a running server instead (e.g. `serve run configs/local.yaml`): set TIDAL_FUZZ_URL to its
+base URL; the schema is still this code's, the requests go over real HTTP through Ray Serve.
+
 schemathesis is a test-only dependency (dev extra); without it this module is skipped.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -43,13 +48,18 @@ def app() -> Any:
 
 
 @pytest.fixture(scope="module")
-def client(app: Any) -> Iterator[TestClient]:
+def client(app: Any) -> Iterator[TestClient | httpx.Client]:
+    url = os.environ.get("TIDAL_FUZZ_URL")
+    if url:  # a real server: same schema, real HTTP
+        with httpx.Client(base_url=url, timeout=httpx.Timeout(120.0, connect=10.0)) as real:
+            yield real
+        return
     with TestClient(app, base_url=BASE, raise_server_exceptions=False) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def schema(client: TestClient, app: Any) -> Any:
+def schema(app: Any) -> Any:
     return schemathesis.openapi.from_asgi("/openapi.json", app)
 
 
@@ -58,8 +68,8 @@ def seen() -> collections.Counter[tuple[str, str, int]]:
     return collections.Counter()
 
 
-def _send(client: TestClient, case: Any, seen: collections.Counter[tuple[str, str, int]]) -> None:
-    kwargs = case.as_transport_kwargs(base_url=BASE)
+def _send(client: TestClient | httpx.Client, case: Any, seen: collections.Counter[tuple[str, str, int]]) -> None:
+    kwargs = case.as_transport_kwargs(base_url=str(client.base_url).rstrip("/"))
     response = client.request(**kwargs)
     seen[(case.operation.path, case.method.upper(), response.status_code)] += 1
     assert response.status_code < 500, (response.status_code, response.text[:500], kwargs)
@@ -68,7 +78,7 @@ def _send(client: TestClient, case: Any, seen: collections.Counter[tuple[str, st
         assert set(body) == {"error"} and body["error"]["message"], (response.text[:500], kwargs)
 
 
-def test_coverage_phase_has_no_5xx(schema: Any, client: TestClient,
+def test_coverage_phase_has_no_5xx(schema: Any, client: TestClient | httpx.Client,
                                    seen: collections.Counter[tuple[str, str, int]]) -> None:
     for result in schema.get_all_operations():
         operation = result.ok()
@@ -79,8 +89,8 @@ def test_coverage_phase_has_no_5xx(schema: Any, client: TestClient,
 
 @pytest.mark.parametrize("path", sorted(FUZZ_EXAMPLES))
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-def test_fuzzing_has_no_5xx(schema: Any, client: TestClient, seen: collections.Counter[tuple[str, str, int]],
-                            path: str, mode: Any) -> None:
+def test_fuzzing_has_no_5xx(schema: Any, client: TestClient | httpx.Client,
+                            seen: collections.Counter[tuple[str, str, int]], path: str, mode: Any) -> None:
     operation = schema[path]["POST"]
 
     @given(case=operation.as_strategy(mode))

@@ -1,0 +1,131 @@
+"""Overload, the long version (issue 8, item 1): configs/sim.yaml at 3x its capacity, adaptive vs continuous.
+
+One Ray cluster of this script's own runs two copies of the simulated A100 unit of configs/sim.yaml:
+`/adaptive` as shipped (admission control on) and `/continuous` (the vLLM-like `continuous`
+preset: no admission control, unbounded queue). Both get the very same open-loop trace: Poisson
+arrivals at `--load` x the unit's capacity (measured by the simulator for Azure-conversation
+lengths) for `--duration` seconds, then one probe request (repeated every 0.2 s while refused).
+While the load runs, `/health` and `unit_state(check=True)` are polled every 0.25 s.
+
+Reported per policy: outcomes, client-side latency of the 429s (p50/p99/max), SLO attainment of
+the admitted requests (TTFT <= 1 s, TPOT <= 100 ms, from the client), `/health` answers, the KV
+pool's lowest free count and any integrity failure, how soon a request is served once the
+arrivals stop, and where the time goes on a small box: the CPU each process used, and each 429
+split by Serve's own access logs into proxy hop, ingress work and the router's `generate` call.
+Before the load: the idle latency of `/health` (HTTP -> proxy -> ingress -> router and back), the
+fixed cost every answer pays.
+
+    RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled python benchmarks/overload.py \
+        [--duration 60] [--load 3] [--seed 8] [--out runs/overload]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' harness is the benchmark's too
+
+from tests.integration.reliability.cluster import (
+    CpuMeter,
+    alive_actors,
+    app_from_config,
+    machine,
+    replica_pids,
+    serve_cluster,
+    session_dir,
+    wait_drained,
+)
+from tests.integration.reliability.load import (
+    Probe,
+    azure_trace,
+    load_figures,
+    pct,
+    run_load,
+    sim_capacity_rps,
+)
+from tests.integration.reliability.logs import breakdown
+
+POLICIES = ("adaptive", "continuous")
+
+
+def idle_health_ms(url: str, n: int = 100) -> dict[str, Any]:
+    samples = []
+    with httpx.Client(timeout=30) as client:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            client.get(f"{url}/health")
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return {"n": n, "p50_ms": pct(samples, 50), "p99_ms": pct(samples, 99), "max_ms": round(max(samples), 3)}
+
+
+def run_policy(base: str, policy: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    url = f"{base}/{policy}"
+    trace = azure_trace(args.rate, args.duration, seed=args.seed)
+    meter = CpuMeter({"proxy": [a["pid"] for a in alive_actors("ProxyActor")],
+                      "ingress": replica_pids(policy, "Ingress"), "router": replica_pids(policy, "Router")})
+    meter.start()
+    run = asyncio.run(run_load(url, policy, trace, out / policy, probe=Probe(), drain_timeout_s=args.drain))
+    cpu = meter.stop()
+    state, drain_s = wait_drained(policy, timeout_s=600.0)
+    figures = load_figures(run)
+    figures["probe_after_load"] = {k: v for k, v in (run.probe or {}).items() if k != "attempts"}
+    return {"policy": policy, **figures, "cpu": cpu, "rejections_server_side": breakdown(session_dir(), policy),
+            "drained_after_s": round(drain_s, 1), "final_state": {k: state[k] for k in (
+                "num_free_blocks", "num_blocks", "num_requests", "num_streams", "healthy", "finished", "rejected")}}
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    cols = ["policy", "sent", "completed", "rejected", "429 p50/p99/max ms", "admitted SLO", "TTFT p50/p99 ms",
+            "TPOT p50/p99 ms", "health not 200", "min free KV", "integrity errors", "probe served after s"]
+    rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in results:
+        rl, tt, tp = r["rejection_latency"], r["admitted_ttft"], r["admitted_tpot"]
+        probe = r["probe_after_load"]
+        rows.append("| " + " | ".join(str(x) for x in (
+            r["policy"], r["sent"], r["completed"], r["rejected"], f"{rl['p50_ms']} / {rl['p99_ms']} / {rl['max_ms']}",
+            r["admitted_slo_attainment"], f"{tt['p50_ms']} / {tt['p99_ms']}", f"{tp['p50_ms']} / {tp['p99_ms']}",
+            f"{r['health_not_200']} of {r['health_samples']}", f"{r['min_free_blocks']} of {r['num_blocks']}",
+            len(r["unit_state_errors"]), probe.get("served_sent_after_load_s"))) + " |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--load", type=float, default=3.0, help="offered rate as a multiple of the unit's capacity")
+    p.add_argument("--seed", type=int, default=8)
+    p.add_argument("--drain", type=float, default=300.0, help="seconds in-flight requests may take after the load")
+    p.add_argument("--policy", action="append", choices=POLICIES, help="default: both")
+    p.add_argument("--out", type=Path, default=Path("runs/overload"))
+    args = p.parse_args(argv)
+    capacity = sim_capacity_rps()
+    args.rate = args.load * capacity
+    policies = args.policy or list(POLICIES)
+    apps = [app_from_config("sim", pol, f"/{pol}", policy=pol) for pol in policies]
+    report: dict[str, Any] = {"machine_at_start": machine(), "capacity_rps": round(capacity, 3),
+                              "rate_rps": round(args.rate, 3), "duration_s": args.duration, "seed": args.seed}
+    with serve_cluster(apps) as base:
+        report["idle_health"] = {pol: idle_health_ms(f"{base}/{pol}") for pol in policies}
+        results = [run_policy(base, pol, args, args.out) for pol in policies]
+    report["results"] = results
+    report["machine_at_end"] = machine()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "overload.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=1))
+    for r in results:
+        print(r["policy"], "cpu:", json.dumps(r["cpu"]), "probe:", json.dumps(r["probe_after_load"]))
+        print(r["policy"], "429s server side:", json.dumps(r["rejections_server_side"]))
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Soak, the 10-minute version (issue 8, item 5): a compressed tidal day against the simulated unit.
+
+A Ray cluster of this script's own runs configs/sim.yaml. After a 20 s warm-up (first-use
+allocations are not a leak) and a drain, the Router and Ingress replicas' RSS is taken; then the
+sharp tidal day (docs/traces.md) compressed into `--duration` seconds, peaking at `--peak-load` x
+the unit's capacity, is replayed open loop with `tidal replay`'s machinery while `/health`,
+`unit_state(check=True)` and the replicas' RSS are sampled. Then the unit is drained and the RSS
+taken again.
+
+Reported: every request's outcome (none may be stuck or failed), the load figures (429 latency,
+SLO attainment of the admitted, health, KV), the state after the drain (all KV blocks free, no
+request or stream left), RSS before/after and its growth (issue 8 asks < 5%), and the RSS series.
+
+    RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled python benchmarks/soak.py [--duration 600] [--out runs/soak]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' harness is the benchmark's too
+
+from tests.integration.reliability.cluster import (
+    app_from_config,
+    machine,
+    replicas_rss,
+    serve_cluster,
+    wait_drained,
+)
+from tests.integration.reliability.load import (
+    azure_trace,
+    run_load,
+    run_soak,
+    sim_capacity_rps,
+    soak_figures,
+    soak_trace,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--duration", type=float, default=600.0, help="wall seconds the day is compressed into")
+    p.add_argument("--peak-load", type=float, default=1.3, help="peak rate as a multiple of the unit's capacity")
+    p.add_argument("--seed", type=int, default=5)
+    p.add_argument("--out", type=Path, default=Path("runs/soak"))
+    args = p.parse_args(argv)
+    capacity = sim_capacity_rps()
+    trace = soak_trace(args.duration, args.peak_load, capacity, seed=args.seed)
+    report: dict[str, Any] = {"machine_at_start": machine(), "capacity_rps": round(capacity, 3),
+                              "duration_s": args.duration, "peak_load": args.peak_load, "requests": len(trace)}
+    with serve_cluster([app_from_config("sim", "sim", "/sim")]) as base:
+        url = base + "/sim"
+        asyncio.run(run_load(url, "sim", azure_trace(2.0, 20.0, seed=1, max_output=64), args.out / "warmup"))
+        wait_drained("sim")
+        before = replicas_rss("sim")
+        run, rss = asyncio.run(run_soak(url, "sim", trace, args.out / "soak"))
+        state, drain_s = wait_drained("sim", timeout_s=300.0)
+        after = replicas_rss("sim")
+    report.update(soak_figures(run, before, after, state))
+    report["drained_after_s"] = round(drain_s, 2)
+    report["machine_at_end"] = machine()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "soak.json").write_text(json.dumps({**report, "rss_samples": rss}, indent=1))
+    print(json.dumps(report, indent=1))
+    print("RSS (MB) every 5 s:", [{k: round(v / 2**20, 1) for k, v in s.items() if k != "t"} for s in rss[::12]])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
