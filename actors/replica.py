@@ -40,7 +40,7 @@ class WorkerFailure(RuntimeError):
 class ReplicaGroup:
     def __init__(self, spec: EngineSpec, backend: str = "hf", *, step_timeout_s: float = 60.0,
                  init_timeout_s: float = 600.0, cpus_per_worker: float = 0.01, compiled_graph: bool | None = None,
-                 sim_executor: Any = None) -> None:
+                 sim_executor: Any = None, name_prefix: str | None = None) -> None:
         if backend not in ("hf", "sim"):
             raise ValueError(f"backend={backend!r}: use 'hf' (real model) or 'sim' (cost model)")
         self.spec = spec
@@ -50,6 +50,8 @@ class ReplicaGroup:
         self.pg: Any = None
         self._dag: Any = None
         self._sim = sim_executor
+        self._own_pg = False
+        self.name_prefix = name_prefix  # workers are named `{prefix}-r{rank}` (operators, fault tests)
         if backend == "sim":
             if sim_executor is None or not sim_executor.num_kv_blocks:
                 raise ValueError("backend='sim' needs a SimExecutor with num_kv_blocks set; "
@@ -69,18 +71,21 @@ class ReplicaGroup:
             raise
 
     @classmethod
-    def simulated(cls, spec: EngineSpec, cost_model: Any, num_kv_blocks: int,
-                  eos_token_id: int | None = None) -> ReplicaGroup:
+    def simulated(cls, spec: EngineSpec, cost_model: Any, num_kv_blocks: int, eos_token_id: int | None = None,
+                  placeholder_token_id: int = 1, include_host_time: bool = True) -> ReplicaGroup:
         """The "sim" backend: a cost model (name, path or CostModel) behind the same interface.
 
-        The device-only form of the cost model is slept: the router loop around it already pays
-        the real host overhead of a step.
+        By default the whole modelled step is slept, host overhead included, so the unit behaves
+        like the calibrated one the simulator runs (the router's own loop overhead then shows as
+        the gap between Serve and the simulator). `include_host_time=False` sleeps only the
+        device time, for a router whose loop stands in for the engine's host work.
         """
         from actors.cost_model import CostModel
         from actors.sim_executor import SimExecutor
 
         model = cost_model if isinstance(cost_model, CostModel) else CostModel.load(cost_model)
-        sim = SimExecutor(model.device_only(), eos_token_id=eos_token_id)
+        sim = SimExecutor(model if include_host_time else model.device_only(), eos_token_id=eos_token_id,
+                          placeholder_token_id=placeholder_token_id)
         sim.num_kv_blocks = num_kv_blocks
         return cls(spec, "sim", sim_executor=sim)
 
@@ -89,13 +94,15 @@ class ReplicaGroup:
         spec, tp = self.spec, self.spec.tp
         on_gpu = spec.resolved_device() == "cuda"
         bundle = {"GPU": 1.0, "CPU": 1.0} if on_gpu else {"CPU": cpus_per_worker}
-        self.pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK")
-        ray.get(self.pg.ready(), timeout=timeout_s)
+        first = self._place(tp, bundle, timeout_s)
         actor = ray.remote(TPWorker)
+        cpus = [self.pg.bundle_specs[first + r].get("CPU", 0) for r in range(tp)]
         self.workers = [
-            actor.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
-                          max_concurrency=2)  # health checks answer while a step runs
+            actor.options(num_cpus=cpus[r], num_gpus=bundle.get("GPU", 0),
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(
+                              self.pg, placement_group_bundle_index=first + r),
+                          max_concurrency=2,  # health checks answer while a step runs
+                          **({"name": f"{self.name_prefix}-r{r}"} if self.name_prefix else {}))
             .remote(spec, r, tp)
             for r in range(tp)
         ]
@@ -108,6 +115,27 @@ class ReplicaGroup:
         info: EngineInfo = loaded[0][1]
         return EngineInfo(num_blocks, info.block_size, info.max_model_len, info.eos_token_ids, info.model_path,
                           buckets[0])
+
+    def _place(self, tp: int, bundle: dict[str, float], timeout_s: float) -> int:
+        """The placement group for the workers and the bundle index of rank 0.
+
+        Inside a Serve replica that reserved `placement_group_bundles` (configs/prod.yaml: one
+        CPU bundle for the router, then one GPU bundle per rank), the workers go into that
+        group's bundles 1..tp, so a unit never asks the cluster for its GPUs twice. Otherwise
+        (local runs, tests) the group creates and owns a STRICT_PACK group of its own.
+        """
+        from ray.util import get_current_placement_group
+
+        current = get_current_placement_group()
+        if current is not None and len(current.bundle_specs) >= tp + 1:
+            need_gpu = bundle.get("GPU", 0) > 0
+            if all((spec.get("GPU", 0) >= 1) == need_gpu for spec in current.bundle_specs[1:tp + 1]):
+                self.pg = current
+                return 1
+        self.pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK")
+        self._own_pg = True
+        ray.get(self.pg.ready(), timeout=timeout_s)
+        return 0
 
     def _compile(self) -> Any:
         from ray.dag import InputNode, MultiOutputNode
@@ -206,8 +234,9 @@ class ReplicaGroup:
                 ray.kill(w)
         self.workers = []
         if self.pg is not None:
-            with contextlib.suppress(Exception):
-                remove_placement_group(self.pg)
+            if self._own_pg:  # a Serve-reserved group belongs to the replica, not to us
+                with contextlib.suppress(Exception):
+                    remove_placement_group(self.pg)
             self.pg = None
 
 

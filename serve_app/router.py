@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,7 +34,8 @@ SIM_PLACEHOLDER_TOKEN = 260
 vocabularies), so streamed text is visible and TTFT is measurable by any client."""
 
 
-def build_replica_group(engine: EngineArgs, max_num_batched_tokens: int, buckets: tuple[int, ...]) -> Any:
+def build_replica_group(engine: EngineArgs, max_num_batched_tokens: int, buckets: tuple[int, ...],
+                        name_prefix: str | None = None) -> Any:
     """The executor of one unit and the service prior for its scheduler."""
     from actors.replica import ReplicaGroup
     from actors.worker_setup import EngineSpec
@@ -44,38 +47,43 @@ def build_replica_group(engine: EngineArgs, max_num_batched_tokens: int, buckets
                       enforce_eager=engine.enforce_eager)
     if engine.backend == "sim":
         from actors.cost_model import CostModel
-        from actors.sim_executor import SimExecutor
         from actors.unit_sizing import kv_cache_blocks
 
         assert engine.cost_model is not None
         cost = CostModel.load(engine.cost_model)
         num_blocks = engine.sim_num_kv_blocks or kv_cache_blocks(tp=cost.tp, block_size=engine.block_size)
-        sim = SimExecutor(cost, placeholder_token_id=SIM_PLACEHOLDER_TOKEN)
-        sim.num_kv_blocks = num_blocks  # what the replica group reports to the scheduler
-        return ReplicaGroup(spec, backend="sim", sim_executor=sim), cost.service_prior()
+        group = ReplicaGroup.simulated(spec, cost, num_blocks, placeholder_token_id=SIM_PLACEHOLDER_TOKEN)
+        return group, cost.service_prior()
     group = ReplicaGroup(spec, backend="hf", step_timeout_s=engine.step_timeout_s,
-                         compiled_graph=engine.compiled_graph)
+                         compiled_graph=engine.compiled_graph, name_prefix=name_prefix)
     return group, None
 
 
 @serve.deployment
 class Router:
-    def __init__(self, args: dict[str, Any]) -> None:
+    async def __init__(self, args: dict[str, Any]) -> None:
         app = AppArgs.model_validate(args)
         self.args = app
         ctx = serve.get_replica_context()
         self.unit = ctx.replica_id.unique_id if ctx is not None else "local"
-        self.group, prior = build_replica_group(app.engine, app.scheduler.max_num_batched_tokens,
-                                                tuple(app.scheduler.cuda_graph_buckets))
+        # Starting TP workers blocks on Ray for up to minutes (weights load): off the event loop.
+        self.group, prior = await asyncio.to_thread(
+            build_replica_group, app.engine, app.scheduler.max_num_batched_tokens,
+            tuple(app.scheduler.cuda_graph_buckets), f"tidal-tp-{self.unit}")
         cfg = scheduler_config(app.scheduler, num_kv_blocks=self.group.num_kv_blocks,
                                block_size=self.group.block_size, max_model_len=self.group.max_model_len,
                                service_prior=prior or ServicePrior())
+        # Pad only to the decode sizes the workers actually captured (none on CPU: all eager).
+        cfg = dataclasses.replace(cfg, cuda_graph_buckets=tuple(self.group.cuda_graph_buckets))
         self.scheduler = Scheduler(cfg, now=time.monotonic())
         self.metrics = UnitMetrics(self.unit)
         self.loop = EngineLoop(self.scheduler, self.group, self.metrics)
         self.info = ModelInfo(app.engine.model_id, self.group.max_model_len, tuple(self.group.eos_token_ids),
                               app.engine.backend)
         self._gauge_task: asyncio.Task[None] | None = None
+        # Start at once, not on the first request: a new idle unit must already report its
+        # gauges (dashboards, the unit-down alert) and its stats (routing, autoscaling).
+        self._ensure_background()
         log.info("unit %s ready: policy %s, %d KV blocks of %d, max_model_len %d", self.unit, cfg.policy,
                  cfg.num_kv_blocks, cfg.block_size, cfg.max_model_len)
 
@@ -124,7 +132,10 @@ class Router:
         if check:
             self.scheduler.check_integrity()
         s = self.scheduler
+        workers = [f"{self.group.name_prefix}-r{r}" for r in range(len(self.group.workers))] \
+            if self.group.name_prefix else []
         return {**self._stats(), "unit": self.unit, "healthy": self.loop.healthy, "failure": self.loop.failure,
+                "pid": os.getpid(), "workers": workers,
                 "num_free_blocks": s.blocks.num_free_blocks, "num_blocks": s.blocks.num_blocks,
                 "num_streams": len(self.loop.streams), "num_requests": len(s.requests),
                 "regime_name": s.current_regime.value, "policy": s.config.policy,
