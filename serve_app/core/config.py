@@ -186,7 +186,3 @@ class SchedulerConfig:
         _require(all(b >= 1 for b in buckets) and list(buckets) == sorted(set(buckets)),
                  f"cuda_graph_buckets={buckets} must be strictly increasing positive sizes")
         _require(self.load_tau_s > 0.0, f"load_tau_s={self.load_tau_s} must be > 0")
-
-    @property
-    def microwait_cap_s(self) -> float:
-        return min(self.batching.t_max_s, MICROWAIT_HARD_CAP_S)

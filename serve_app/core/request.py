@@ -87,7 +87,6 @@ class Request:
         "finish_reason",
         "finished_s",
         "first_token_s",
-        "max_total_tokens",
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
@@ -130,7 +129,6 @@ class Request:
         self.num_preemptions = 0
         # EOS handling is resolved once here so the per-token check is one set lookup.
         self.stop_ids: frozenset[int] = sampling.stop_token_ids
-        self.max_total_tokens = num_prompt_tokens + sampling.max_tokens
         self.predicted_ttft_s: float | None = None  # set by admission; its error trains the predictor
 
     @property

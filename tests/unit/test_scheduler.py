@@ -214,3 +214,19 @@ def test_abort_all_ends_everything() -> None:
     assert len(ended) == 5 and all(r.status is RequestStatus.FINISHED for r in ended)
     assert s.blocks.num_free_blocks == s.blocks.num_blocks and not s.has_unfinished
     s.check_integrity()
+
+
+def test_request_times_record_each_lifecycle_moment() -> None:
+    from serve_app.core import RequestTimes
+
+    s = Scheduler(preset("continuous", SMALL))
+    s.add_request(req("t", 10, max_tokens=3, at=1.0), 1.0)
+    log = DriveLog()
+    run_until_idle(s, FakeExecutor(), 1.0, log=log)
+    (done,) = [r for out in log.outputs for r in out.finished]
+    times = RequestTimes.of(done)
+    assert times.arrival_s == 1.0 and times.admitted_s == 1.0
+    assert times.queue_s == 0.0 and times.ttft_s is not None and times.ttft_s > 0
+    assert times.e2e_s is not None and times.e2e_s > times.ttft_s
+    assert times.tpot_s == pytest.approx((done.finished_s - done.first_token_s) / 2)
+    assert times.finish_reason == "length" and times.num_output_tokens == 3
