@@ -5,13 +5,16 @@ Owns: `AutoscaleConfig`, `AutoscaleObservation`, `AutoscaleState` and `decide`:
     decide(observation, state, config) -> (num_units, new_state)
 
 The demand in units is `sum(load_u * capacity_u) / (target_load * mean capacity)`: the
-arrival rate every unit measures, over what one unit serves at the target utilisation. Any
-unit in OVERLOAD (or with a queueing delay past its TTFT target) adds one unit to that, since
-its arrival rate alone can under-read a backlog. The demand is smoothed (EWMA); the unit
-count moves up only after the smoothed demand has stayed above the current count for
-`upscale_delay_s`, and down (one unit at a time) after it stayed below for
-`downscale_delay_s`; the result is clamped to [min_units, max_units]. Serve calls the adapter
-(serve_app/autoscaling.py) about every 0.1 s; the simulator calls it on its own tick.
+arrival rate every unit measures, over what one unit serves at the target utilisation (the
+units' capacity is capacity *within the latency SLO*: core/load.py). Any unit in OVERLOAD adds
+one unit to that, since its arrival rate alone can under-read a backlog. The demand is smoothed
+with time constant `smoothing_s` (so the result does not depend on how often this is called:
+Serve calls it about every 0.1 s, the simulator every 10 s), and its trend is projected
+`lead_s` ahead: a new unit takes minutes to come up (GPU node, weights), so scaling up on the
+demand expected when it is ready keeps the ramp inside the SLO. The count moves up after the
+projected demand has stayed above it for `upscale_delay_s`, and down (one unit at a time)
+after the smoothed demand has stayed below it for `downscale_delay_s`; the result is clamped
+to [min_units, max_units].
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """
@@ -31,7 +34,8 @@ class AutoscaleConfig:
     min_units: int = 1
     max_units: int = 8
     target_load: float = 0.7
-    smoothing: float = 0.2
+    smoothing_s: float = 60.0
+    lead_s: float = 300.0
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
     max_step_up: int = 4
@@ -42,8 +46,8 @@ class AutoscaleConfig:
                              "must satisfy 1 <= min_units <= max_units")
         if not 0.0 < self.target_load <= 1.0:
             raise ValueError(f"autoscale target_load={self.target_load} must be in (0, 1]")
-        if not 0.0 < self.smoothing <= 1.0:
-            raise ValueError(f"autoscale smoothing={self.smoothing} must be in (0, 1]")
+        if self.smoothing_s < 0 or self.lead_s < 0:
+            raise ValueError(f"autoscale smoothing_s={self.smoothing_s} and lead_s={self.lead_s} must be >= 0")
         if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
             raise ValueError("autoscale delays must be >= 0 seconds")
         if self.max_step_up < 1:
@@ -60,6 +64,8 @@ class AutoscaleObservation:
 @dataclass(frozen=True, slots=True)
 class AutoscaleState:
     smoothed_demand: float | None = None
+    slope_per_s: float = 0.0
+    last_s: float | None = None
     above_since_s: float | None = None
     below_since_s: float | None = None
     last_demand: float = 0.0
@@ -71,7 +77,7 @@ class AutoscaleState:
     def from_dict(cls, data: dict[str, Any] | None) -> AutoscaleState:
         if not data:
             return cls()
-        known = {k: data[k] for k in ("smoothed_demand", "above_since_s", "below_since_s", "last_demand") if k in data}
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         return cls(**known)
 
 
@@ -88,25 +94,39 @@ def demand_units(units: Sequence[UnitLoad], target_load: float) -> float:
     return demand
 
 
+def _smooth(state: AutoscaleState, raw: float, now: float, config: AutoscaleConfig) -> tuple[float, float]:
+    """(smoothed demand, smoothed slope per second), both with time constant `smoothing_s`."""
+    prev, last = state.smoothed_demand, state.last_s
+    if prev is None or last is None or now <= last:
+        return (raw if prev is None else prev), state.slope_per_s
+    dt = now - last
+    alpha = 1.0 - math.exp(-dt / config.smoothing_s) if config.smoothing_s > 0 else 1.0
+    smoothed = prev + alpha * (raw - prev)
+    slope = state.slope_per_s + alpha * ((smoothed - prev) / dt - state.slope_per_s)
+    return smoothed, slope
+
+
 def decide(obs: AutoscaleObservation, state: AutoscaleState, config: AutoscaleConfig) -> tuple[int, AutoscaleState]:
     now, current = obs.now_s, obs.num_units
     raw = demand_units(obs.units, config.target_load)
-    prev = state.smoothed_demand
-    smoothed = raw if prev is None else prev + config.smoothing * (raw - prev)
-    wanted = math.ceil(smoothed - 1e-9)
-    wanted = max(config.min_units, min(config.max_units, wanted))
-    above = state.above_since_s if wanted > current else None
-    below = state.below_since_s if wanted < current else None
+    smoothed, slope = _smooth(state, raw, now, config)
+
+    def clamp(n: int) -> int:
+        return max(config.min_units, min(config.max_units, n))
+
+    wanted_up = clamp(math.ceil(smoothed + max(0.0, slope) * config.lead_s - 1e-9))
+    wanted_down = clamp(math.ceil(smoothed - 1e-9))
+    above = state.above_since_s if wanted_up > current else None
+    below = state.below_since_s if wanted_down < current and wanted_up < current else None
     target = current
-    if wanted > current:
+    if wanted_up > current:
         above = now if above is None else above
         if now - above >= config.upscale_delay_s:
-            target = min(wanted, current + config.max_step_up)
+            target = min(wanted_up, current + config.max_step_up)
             above = None
-    elif wanted < current:
+    elif wanted_down < current and wanted_up < current:
         below = now if below is None else below
         if now - below >= config.downscale_delay_s:
             target = current - 1
             below = None
-    target = max(config.min_units, min(config.max_units, target))
-    return target, AutoscaleState(smoothed, above, below, raw)
+    return clamp(target), AutoscaleState(smoothed, slope, now, above, below, raw)

@@ -30,8 +30,8 @@ def test_power_of_two_avoids_the_worst_and_spreads() -> None:
 
 
 def test_autoscale_up_after_delay_down_slowly_and_bounded() -> None:
-    cfg = AutoscaleConfig(min_units=1, max_units=4, target_load=0.5, smoothing=1.0, upscale_delay_s=10,
-                          downscale_delay_s=60)
+    cfg = AutoscaleConfig(min_units=1, max_units=4, target_load=0.5, smoothing_s=0.0, lead_s=0.0,
+                          upscale_delay_s=10, downscale_delay_s=60)
     state = AutoscaleState()
     hot = [unit("a", load=1.5, cap=10.0)]  # 15 rps on one unit at 5 rps target -> 3 units
     n, state = decide(AutoscaleObservation(0.0, 1, hot), state, cfg)
@@ -49,7 +49,7 @@ def test_autoscale_up_after_delay_down_slowly_and_bounded() -> None:
 
 
 def test_overload_adds_a_unit_even_if_rate_reads_low() -> None:
-    cfg = AutoscaleConfig(upscale_delay_s=0, smoothing=1.0)
+    cfg = AutoscaleConfig(upscale_delay_s=0, smoothing_s=0.0)
     n, _ = decide(AutoscaleObservation(0.0, 2, [unit("a", load=0.2, regime="overload"), unit("b", load=0.2)]),
                   AutoscaleState(), cfg)
     assert n == 3
@@ -58,3 +58,32 @@ def test_overload_adds_a_unit_even_if_rate_reads_low() -> None:
 def test_autoscale_config_validation() -> None:
     with pytest.raises(ValueError, match="min_units"):
         AutoscaleConfig(min_units=4, max_units=2)
+
+
+def test_smoothing_is_per_second_not_per_call() -> None:
+    """Serve calls the policy ~10x a second, the simulator every 10 s: the same demand step must
+    give the same smoothed demand after the same time."""
+    cfg = AutoscaleConfig(smoothing_s=30.0, lead_s=0.0, upscale_delay_s=1e9)
+    results = []
+    for period in (0.1, 10.0):
+        state = AutoscaleState()
+        t = 0.0
+        _, state = decide(AutoscaleObservation(t, 1, [unit("a", load=0.0)]), state, cfg)
+        while t < 60.0:
+            t += period
+            _, state = decide(AutoscaleObservation(t, 1, [unit("a", load=2.0)]), state, cfg)
+        results.append(state.smoothed_demand)
+    assert results[0] == pytest.approx(results[1], rel=1e-6)
+
+
+def test_a_rising_trend_scales_up_ahead_of_the_demand() -> None:
+    flat = AutoscaleConfig(smoothing_s=10.0, lead_s=0.0, upscale_delay_s=0.0)
+    ahead = AutoscaleConfig(smoothing_s=10.0, lead_s=300.0, upscale_delay_s=0.0)
+    units_by = {}
+    for name, cfg in (("flat", flat), ("ahead", ahead)):
+        state, n = AutoscaleState(), 1
+        for step in range(30):  # demand ramps by 0.1 units every 10 s
+            load = 0.7 * (1.0 + 0.1 * step)
+            n, state = decide(AutoscaleObservation(10.0 * step, n, [unit("a", load=load)]), state, cfg)
+        units_by[name] = n
+    assert units_by["ahead"] > units_by["flat"]
