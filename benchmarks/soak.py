@@ -10,8 +10,12 @@ taken again.
 Reported: every request's outcome (none may be stuck or failed), the load figures (429 latency,
 SLO attainment of the admitted, health, KV), the state after the drain (all KV blocks free, no
 request or stream left), RSS before/after and its growth (issue 8 asks < 5%), and the RSS series.
+With `--days N` the day is played N times in a row (new prompts each day) and the RSS is taken
+after each: growth that stops after the first day is a high-water mark (memory Python keeps after
+the peak's concurrency), growth that repeats every day is a leak.
 
-    RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled python benchmarks/soak.py [--duration 600] [--out runs/soak]
+    RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled python benchmarks/soak.py [--duration 600] [--days 1] \
+        [--out runs/soak]
 """
 
 from __future__ import annotations
@@ -47,27 +51,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=600.0, help="wall seconds the day is compressed into")
     p.add_argument("--peak-load", type=float, default=1.3, help="peak rate as a multiple of the unit's capacity")
     p.add_argument("--seed", type=int, default=5)
+    p.add_argument("--days", type=int, default=1, help="play the day this many times in a row")
+    p.add_argument("--drain", type=float, default=600.0, help="seconds in-flight requests may take after a day")
     p.add_argument("--out", type=Path, default=Path("runs/soak"))
     args = p.parse_args(argv)
     capacity = sim_capacity_rps()
-    trace = soak_trace(args.duration, args.peak_load, capacity, seed=args.seed)
     report: dict[str, Any] = {"machine_at_start": machine(), "capacity_rps": round(capacity, 3),
-                              "duration_s": args.duration, "peak_load": args.peak_load, "requests": len(trace)}
+                              "duration_s": args.duration, "peak_load": args.peak_load, "days": []}
     with serve_cluster([app_from_config("sim", "sim", "/sim")]) as base:
         url = base + "/sim"
         asyncio.run(run_load(url, "sim", azure_trace(2.0, 20.0, seed=1, max_output=64), args.out / "warmup"))
         wait_drained("sim")
-        before = replicas_rss("sim")
-        run, rss = asyncio.run(run_soak(url, "sim", trace, args.out / "soak"))
-        state, drain_s = wait_drained("sim", timeout_s=300.0)
-        after = replicas_rss("sim")
-    report.update(soak_figures(run, before, after, state))
-    report["drained_after_s"] = round(drain_s, 2)
-    report["machine_at_end"] = machine()
+        before = first = replicas_rss("sim")
+        for day in range(args.days):
+            trace = soak_trace(args.duration, args.peak_load, capacity, seed=args.seed + day)
+            run, rss = asyncio.run(run_soak(url, "sim", trace, args.out / f"day{day}", drain_timeout_s=args.drain))
+            state, drain_s = wait_drained("sim", timeout_s=300.0)
+            after = replicas_rss("sim")
+            figures = {"day": day, **soak_figures(run, before, after, state), "drained_after_s": round(drain_s, 2),
+                       "rss_growth_since_start": {k: round((after[k] - first[k]) / first[k], 4) for k in first},
+                       "machine": machine()}
+            report["days"].append(figures)
+            print(json.dumps(figures, indent=1), flush=True)
+            print("RSS (MB) every minute:", [{k: round(v / 2**20, 1) for k, v in s.items() if k != "t"}
+                                             for s in rss[::12]], flush=True)
+            (args.out / f"day{day}" / "rss.json").write_text(json.dumps(rss))
+            before = after
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "soak.json").write_text(json.dumps({**report, "rss_samples": rss}, indent=1))
-    print(json.dumps(report, indent=1))
-    print("RSS (MB) every 5 s:", [{k: round(v / 2**20, 1) for k, v in s.items() if k != "t"} for s in rss[::12]])
+    (args.out / "soak.json").write_text(json.dumps(report, indent=1))
     return 0
 
 

@@ -254,12 +254,13 @@ async def watch_rss(app: str, stop: asyncio.Event, period_s: float = 5.0) -> lis
 
 
 async def run_soak(base_url: str, app: str, trace: Trace, out_dir: Path, *, model: str = SIM_MODEL,
-                   rss_period_s: float = 5.0) -> tuple[LoadRun, list[dict[str, Any]]]:
+                   rss_period_s: float = 5.0, drain_timeout_s: float = 300.0) -> tuple[LoadRun, list[dict[str, Any]]]:
     """`run_load` with the replicas' RSS sampled beside it."""
     stop = asyncio.Event()
     rss = asyncio.create_task(watch_rss(app, stop, rss_period_s))
     try:
-        run = await run_load(base_url, app, trace, out_dir, model=model, watch_period_s=1.0)
+        run = await run_load(base_url, app, trace, out_dir, model=model, watch_period_s=1.0,
+                             drain_timeout_s=drain_timeout_s)
     finally:
         stop.set()
     return run, await rss
