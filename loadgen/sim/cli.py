@@ -28,7 +28,6 @@ def _trace_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_simulate(args: argparse.Namespace) -> int:
     from actors.cost_model import CostModel
-
     from loadgen.report import Slo
     from loadgen.sim.runner import RunSpec, run_policy, summary_markdown, unit_config, write_run
     from loadgen.sim.study import day_trace
