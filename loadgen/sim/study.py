@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from actors.cost_model import CostModel
 
+from actors.cost_model import CostModel
 from loadgen import plots
 from loadgen.arrivals import gamma_arrival_times, rate_for_peak_load, servegen_day_curve, sharp_day_curve
 from loadgen.lengths import sample_length_arrays
@@ -118,7 +118,7 @@ def run_sweep(out: Path, cost: CostModel, base: SchedulerConfig, slo: Slo, seed:
 
 
 def run_fleet(out: Path, cost: CostModel, base: SchedulerConfig, slo: Slo, hours: float, seed: int,
-              peak_units: int = 6) -> str:
+              peak_units: int = 3) -> str:
     """Autoscaled vs fixed-for-the-peak fleets on the same day (peak = peak_units x capacity)."""
     target = AutoscaleConfig().target_load
     trace = day_trace("day-in-life-sharp", cost, base, hours=hours, seed=seed, peak_load=1.0, cv=None,
