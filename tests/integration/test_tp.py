@@ -34,6 +34,11 @@ PROMPTS = [[1, 17, 33, 5, 9], list(range(3, 45)), [1, 200, 7]]
 def ray_cluster() -> Iterator[None]:
     import ray
 
+    if ray.is_initialized():
+        # The session's Serve cluster (tests/integration/conftest.py) is up: one Ray start-up
+        # is enough, and these groups are placed beside its units.
+        yield
+        return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
