@@ -180,11 +180,8 @@ class ReplicaGroup:
             else:
                 refs = [w.execute.remote(plan) for w in self.workers]
                 results = await asyncio.wait_for(asyncio.gather(*refs), self.step_timeout_s)
-        except TimeoutError as exc:
-            raise WorkerFailure(f"step {plan.step_id}: no answer from the TP workers within "
-                                f"{self.step_timeout_s:.0f} s") from exc
-        except RayError as exc:
-            raise WorkerFailure(f"step {plan.step_id}: a TP worker failed: {exc}") from exc
+        except (TimeoutError, RayError) as exc:
+            raise self._failure(plan, exc) from exc
         return self._rank0(plan, results)
 
     def execute_blocking(self, plan: StepPlan) -> StepResult:
@@ -198,12 +195,16 @@ class ReplicaGroup:
         refs = [w.execute.remote(plan) for w in self.workers]
         try:
             results = ray.get(refs, timeout=self.step_timeout_s)
-        except GetTimeoutError as exc:
-            raise WorkerFailure(f"step {plan.step_id}: no answer from the TP workers within "
-                                f"{self.step_timeout_s:.0f} s") from exc
-        except RayError as exc:
-            raise WorkerFailure(f"step {plan.step_id}: a TP worker failed: {exc}") from exc
+        except (GetTimeoutError, RayError) as exc:
+            raise self._failure(plan, exc) from exc
         return self._rank0(plan, results)
+
+    def _failure(self, plan: StepPlan, exc: BaseException) -> WorkerFailure:
+        """A step's timeout or a worker's death, as the one error the engine loop handles."""
+        if isinstance(exc, TimeoutError | GetTimeoutError):
+            return WorkerFailure(f"step {plan.step_id}: no answer from the TP workers within "
+                                 f"{self.step_timeout_s:.0f} s")
+        return WorkerFailure(f"step {plan.step_id}: a TP worker failed: {exc}")
 
     @staticmethod
     def _rank0(plan: StepPlan, results: list[Any]) -> StepResult:

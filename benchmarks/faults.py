@@ -23,8 +23,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' harness is the benchmark's too
 
 from tests.integration.reliability.cluster import (
@@ -35,17 +33,9 @@ from tests.integration.reliability.cluster import (
     serve_cluster,
     wait_until,
 )
-from tests.integration.reliability.faults import run_fault
+from tests.integration.reliability.faults import run_fault, serves
 
 SCENARIOS = (("tp_worker", "local", "", LOCAL_MODEL), ("router", "sim", "/sim", SIM_MODEL))
-
-
-def serves(url: str, model: str) -> bool:
-    try:
-        r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2}, timeout=60)
-    except httpx.HTTPError:
-        return False
-    return r.status_code == 200
 
 
 def row(figures: dict[str, Any]) -> str:

@@ -25,12 +25,11 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.integration.conftest import wait_healthy
 from tests.integration.reliability.cluster import LOCAL_MODEL, SIM_MODEL, unit_state, wait_until
-from tests.integration.reliability.faults import FaultRun, run_fault
+from tests.integration.reliability.faults import FaultRun, run_fault, serves
 
 pytestmark = pytest.mark.ray
 HANG_BOUND_S = 60.0  # "never hangs": far above the measured figures (docs/reliability.md)
@@ -43,20 +42,12 @@ def _report(run: FaultRun, record_property: Callable[[str, Any], None]) -> None:
     print(json.dumps({k: v for k, v in figures.items() if k != "probes"}, indent=1))
 
 
-def _serves(url: str, model: str) -> bool:
-    try:
-        r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2}, timeout=60)
-    except httpx.HTTPError:
-        return False
-    return r.status_code == 200
-
-
 @pytest.fixture(scope="module")
 def recovered_at_end(local_server_url: str, sim_server_url: str) -> Iterator[None]:
     yield
     for url, model, app in ((local_server_url, LOCAL_MODEL, "local"), (sim_server_url, SIM_MODEL, "sim")):
         wait_healthy(url, REBUILD_BOUND_S)
-        assert wait_until(lambda u=url, m=model: _serves(u, m), REBUILD_BOUND_S, 1.0), f"{app} does not serve"
+        assert wait_until(lambda u=url, m=model: serves(u, m), REBUILD_BOUND_S, 1.0), f"{app} does not serve"
         assert unit_state(app)["healthy"]
 
 

@@ -141,6 +141,15 @@ class FaultRun:
                 "held_wait_max_s": max((answer_s(p) for p in held), default=None), "probes": probes}
 
 
+def serves(url: str, model: str) -> bool:
+    """True when a 2-token completion through the proxy comes back 200 (the unit serves again)."""
+    try:
+        r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200
+
+
 def kill_tp_worker(unit: str) -> str:
     """Kill rank 0 of `unit`'s TP workers: by name (`tidal-tp-<unit>-r0`, namespace "serve") when
     the workers are named, else SIGKILL the one live TPWorker process of this cluster."""
