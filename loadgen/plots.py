@@ -100,7 +100,10 @@ def plot_distributions(path: Path, batch_sizes: Mapping[str, np.ndarray], waits_
                      label=f"{name} ({nonzero.size / max(len(waits), 1):.1%} of steps waited)")
     ax2.set_xlabel("wait chosen before the step (ms)")
     ax2.set_title("micro-wait / batching delay (steps with a wait)")
-    ax2.legend(fontsize=8)
+    if ax2.get_legend_handles_labels()[0]:
+        ax2.legend(fontsize=8)
+    else:
+        ax2.text(0.5, 0.5, "no step waited", ha="center", va="center", transform=ax2.transAxes)
     fig.suptitle(title)
     return _save(fig, path)
 

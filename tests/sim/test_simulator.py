@@ -108,3 +108,22 @@ def test_golden_summary(cost: CostModel, trace: Trace) -> None:
         GOLDEN.write_text(json.dumps(got, indent=2, sort_keys=True) + "\n")
     expected = json.loads(GOLDEN.read_text())
     assert json.loads(json.dumps(got, sort_keys=True)) == expected
+
+
+def test_fleet_study_compares_with_the_smallest_fixed_fleet_that_meets_the_goal(cost: CostModel,
+                                                                              tmp_path: Path) -> None:
+    from loadgen.sim.study import run_fleet
+
+    table = run_fleet(tmp_path, cost, unit_config(cost), Slo(), hours=0.2, seed=0, peak_units=2)
+    rows = [line.split("|")[1:-1] for line in table.splitlines()[2:]]
+    head = [c.strip() for c in table.splitlines()[0].split("|")[1:-1]]
+    col = {name: i for i, name in enumerate(head)}
+    fixed = [r for r in rows if r[0].strip().startswith("fixed")]
+    auto = [r for r in rows if r[0].strip().startswith("autoscaled")]
+    assert fixed and len(auto) == 1
+    # Fixed fleets grow one unit at a time until one meets the goal (or the bound is reached).
+    for earlier in fixed[:-1]:
+        assert float(earlier[col["slo_attainment"]]) < 0.99
+    # GPU-hours are stated relative to the last fixed fleet tried.
+    assert float(fixed[-1][col["gpu_hours_vs_fixed"]]) == 1.0
+    assert (tmp_path / "fleet" / "autoscaled" / "summary.json").is_file()
