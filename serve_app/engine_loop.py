@@ -89,8 +89,10 @@ class EngineLoop:
         """Stream one request's tokens. Closing the iterator aborts the request."""
         self.start()
         if not self.healthy:
+            # The cause stays in the log and in unit_state()["failure"]: clients are not shown
+            # the cluster's insides (actor ids, pids, addresses).
             yield GenerateChunk(error=EngineError(503, "server_error", "engine_failed",
-                                                  f"this serving unit failed ({self.failure}); retry",
+                                                  "this serving unit failed and is being replaced; retry",
                                                   retry_after_s=5.0))
             return
         now = self.clock()
@@ -205,7 +207,7 @@ class EngineLoop:
         if self.observer:
             self.observer.on_engine_error(type(exc).__name__)
         error = EngineError(503, "server_error", "engine_failed",
-                            f"the serving unit failed mid-request ({self.failure}); retry", retry_after_s=5.0)
+                            "the serving unit failed mid-request; retry", retry_after_s=5.0)
         self.sched.abort_all(self.clock())
         for stream in list(self.streams.values()):
             stream.queue.put_nowait(error)

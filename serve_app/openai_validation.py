@@ -144,7 +144,9 @@ def format_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str, 
     if kind == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "could not parse")
         loc = first.get("loc", ())
-        where = f" at position {loc[-1]}" if loc and isinstance(loc[-1], int) else ""
+        # json's own message may already end in "at" ("Invalid control character at"): no "at at".
+        where = ((" position" if str(detail).rstrip().endswith(" at") else " at position") + f" {loc[-1]}"
+                 if loc and isinstance(loc[-1], int) else "")
         return f"Malformed JSON in the request body: {detail}{where}.", None, "invalid_json"
     messages = []
     for err in errors[:3]:

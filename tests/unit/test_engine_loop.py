@@ -87,9 +87,13 @@ def test_executor_failure_errors_every_stream_quickly_and_marks_unhealthy() -> N
         results = await asyncio.wait_for(asyncio.gather(*(collect(loop, gen(f"r{i}", 8, 50)) for i in range(4))), 5)
         for chunks in results:
             assert chunks[-1].error is not None and chunks[-1].error.status == 503
+            # The cause is for operators (log, unit_state), not for clients.
+            assert "worker died" not in chunks[-1].error.message
         assert not loop.healthy
+        assert loop.failure == "RuntimeError: worker died"
         late = await collect(loop, gen("late"))
         assert late[0].error is not None and late[0].error.code == "engine_failed"
+        assert "worker died" not in late[0].error.message
         assert not loop.sched.has_unfinished
         await loop.stop()
 

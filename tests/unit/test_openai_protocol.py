@@ -159,6 +159,11 @@ def test_malformed_json_error_message() -> None:
                "ctx": {"error": "Expecting value"}}]
     assert format_validation_errors(errors) == (
         "Malformed JSON in the request body: Expecting value at position 7.", None, "invalid_json")
+    # json's message for a raw control character already ends in "at".
+    errors = [{"type": "json_invalid", "loc": ("body", 13), "msg": "JSON decode error", "input": {},
+               "ctx": {"error": "Invalid control character at"}}]
+    assert format_validation_errors(errors)[0] == \
+        "Malformed JSON in the request body: Invalid control character at position 13."
 
 
 def test_delta_carries_only_what_changed() -> None:
