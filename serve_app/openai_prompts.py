@@ -23,6 +23,16 @@ class PromptBuilder:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
+        # The most characters one token can stand for (special tokens included): a text of C
+        # characters has at least C / max_token_chars tokens, so a prompt far past the context
+        # can be refused before the tokenizer spends seconds on it.
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        self.max_token_chars = max((len(str(tok)) for tok in vocab), default=0) or 64
+
+    def min_tokens(self, num_chars: int) -> int:
+        """A lower bound on the tokens of a text of `num_chars` characters, with a 2x margin for
+        normalizers that drop characters."""
+        return num_chars // (2 * self.max_token_chars)
 
     def completion_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

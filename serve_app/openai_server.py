@@ -177,6 +177,12 @@ class OpenAIServer:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
     async def _cpu(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """Tokenize (`fn`) a prompt of `size` characters; long ones off the event loop, and ones
+        that cannot fit the context refused before any tokenizer work."""
+        if self.prompts.min_tokens(size) >= self.info.max_model_len:
+            raise bad_request(f"The prompt is {size} characters long, which is more than this model's maximum "
+                              f"context length of {self.info.max_model_len} tokens can hold. Please shorten it.",
+                              None, "context_length_exceeded")
         if size < OFFLOAD_CHARS:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

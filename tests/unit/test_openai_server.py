@@ -330,3 +330,20 @@ async def test_health(tok: Any) -> None:
     assert await server_for(tok)[0].health()
     assert not await server_for(tok, healthy=False)[0].health()
     assert not await server_for(tok, healthy=RuntimeError("dead actor"))[0].health()
+
+
+async def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(tok: Any) -> None:
+    server, engine = server_for(tok, max_model_len=64)
+    bound = server.prompts.max_token_chars
+    assert bound >= max(len(t) for t in tok.get_vocab())
+    calls: list[Any] = []
+    encode = server.prompts.completion_ids
+    server.prompts.completion_ids = lambda p: calls.append(p) or encode(p)  # type: ignore[method-assign]
+    with pytest.raises(OpenAIError) as info:
+        await server.create_completion(CompletionRequest(prompt="x" * (2 * bound * 64)))
+    assert (info.value.status, info.value.code) == (400, "context_length_exceeded")
+    assert calls == [] and engine.requests == []
+    # Just under the bound the tokenizer decides (and counts the tokens).
+    with pytest.raises(OpenAIError) as info:
+        await server.create_completion(CompletionRequest(prompt="x" * (2 * bound * 64 - 1)))
+    assert len(calls) == 1 and "tokens long" in info.value.message
