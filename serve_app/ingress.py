@@ -18,6 +18,7 @@ Must not import: torch at module level (the tokenizer loader is imported inside 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -203,19 +204,39 @@ app = build_app()
 
 
 class HandleEngineClient:
-    """A router deployment as an `EngineClient`. Serve-level failures become `EngineError` chunks."""
+    """A router deployment as an `EngineClient`. Serve-level failures become `EngineError` chunks.
+
+    After a unit fails (its router answers `engine_failed`, or the call dies with the actor),
+    new requests get 503 + Retry-After at once until a health probe, bounded in time, says a unit
+    serves again: Serve's handle would otherwise hold them, while no Router replica exists,
+    until the rebuilt one is up (a model load: minutes for a 70B). With several units the
+    probe reaches a healthy one within a period and traffic resumes on it.
+    """
+
+    PROBE_PERIOD_S = 0.5
+    PROBE_TIMEOUT_S = 1.0
+    RECOVERING_RETRY_AFTER_S = 5.0
 
     def __init__(self, router: DeploymentHandle[Any], model_info: ModelInfo) -> None:
         self._router = router
         self.model_info = model_info
+        self.recovering = False
+        self._probe: asyncio.Task[None] | None = None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        if self.recovering:
+            yield GenerateChunk(error=EngineError(503, "server_error", "engine_recovering",
+                                                  "the serving unit failed and is being replaced; retry",
+                                                  self.RECOVERING_RETRY_AFTER_S))
+            return
         response = cast(DeploymentResponseGenerator[GenerateChunk],
                         self._router.generate.options(stream=True).remote(request))
         finished = False  # the router is done once it sent a finish reason or an error (the contract)
         try:
             async for chunk in response:
                 finished = chunk.finish_reason is not None or chunk.error is not None
+                if chunk.error is not None and chunk.error.code == "engine_failed":
+                    self._unit_failed()
                 yield chunk
             finished = True
         except BackPressureError as err:  # the router's max_queued_requests is full
@@ -228,6 +249,7 @@ class HandleEngineClient:
             yield GenerateChunk(error=EngineError(503, "server_error", "engine_unavailable", str(err), 1.0))
         except Exception:  # a dead actor or a router bug: the client gets a clean 5xx, the log the cause
             logger.exception("router call for %s failed", request.request_id)
+            self._unit_failed()
             yield GenerateChunk(error=EngineError(503, "server_error", "engine_failed",
                                                   "the serving unit failed; retry", 1.0))
         finally:
@@ -236,6 +258,36 @@ class HandleEngineClient:
 
     async def health(self) -> bool:
         return bool(await self._router.health.remote())
+
+    def _unit_failed(self) -> None:
+        if self.recovering:
+            return
+        self.recovering = True
+        logger.warning("a serving unit failed: answering 503 until a health probe succeeds")
+        # A fresh context: the probe must not be a child of the request that saw the failure
+        # (Serve cancels a request's children when its client leaves).
+        self._probe = asyncio.get_running_loop().create_task(self._probe_until_healthy(),
+                                                             context=contextvars.Context())
+
+    async def _probe_until_healthy(self) -> None:
+        while True:
+            response = self._router.health.remote()
+            try:
+                healthy = bool(await asyncio.wait_for(_result(response), self.PROBE_TIMEOUT_S))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # timed out (no replica to take it) or the replica failed
+                response.cancel()
+                healthy = False
+            if healthy:
+                self.recovering = False
+                logger.info("a serving unit answers healthy again: taking requests")
+                return
+            await asyncio.sleep(self.PROBE_PERIOD_S)
+
+
+async def _result(response: Any) -> Any:
+    return await response
 
 
 def _settings(model: str | Mapping[str, Any], served_model_name: str | None, max_body_bytes: int | None,

@@ -111,9 +111,6 @@ def test_router_kill_requests_during_recovery_are_served_or_503(router_fault: Fa
     _check_recovery_requests(router_fault)
 
 
-@pytest.mark.xfail(strict=True, reason="Known bug (docs/reliability.md, 'Requests held during a rebuild'): while "
-                   "an app's only Router replica is being replaced, Serve's handle in the ingress queues new "
-                   "requests until the new replica is up instead of answering 503 + Retry-After")
 def test_requests_during_recovery_are_not_held_for_the_rebuild(tp_fault: FaultRun, router_fault: FaultRun) -> None:
     held = {run.fault: run.figures()["probes_held"] for run in (tp_fault, router_fault)}
     assert held == {"tp_worker": 0, "router": 0}, held

@@ -465,3 +465,59 @@ async def test_handle_client_cancels_only_unfinished_requests() -> None:
     await drain(HandleEngineClient(FakeHandle(early), INFO), limit=1)  # type: ignore[arg-type]
     assert early.cancelled
     assert await HandleEngineClient(FakeHandle(done), INFO).health()  # type: ignore[arg-type]
+
+
+class ProbedHandle(FakeHandle):
+    """A handle whose health answers come from a list (None: never answers, like a handle with
+    no replica to send to)."""
+
+    def __init__(self, response: FakeResponse, answers: list[bool | None]) -> None:
+        super().__init__(response)
+        self.answers = answers
+        self.generate_calls = 0
+        self.health_calls = 0
+
+    def remote(self, *args: Any) -> Any:
+        if args:
+            self.generate_calls += 1
+            return self.response
+        self.health_calls += 1
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        answer = self.answers.pop(0) if self.answers else True
+        if answer is not None:
+            future.set_result(answer)
+        return future
+
+
+@pytest.mark.parametrize("failure", [
+    FakeResponse([GenerateChunk(error=EngineError(503, "server_error", "engine_failed", "x", 5.0))]),
+    FakeResponse([GenerateChunk([5])], RuntimeError("actor died")),
+])
+async def test_after_a_unit_fails_new_requests_get_503_at_once_until_a_probe_says_healthy(
+        failure: FakeResponse, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(HandleEngineClient, "PROBE_PERIOD_S", 0.01)
+    monkeypatch.setattr(HandleEngineClient, "PROBE_TIMEOUT_S", 0.05)
+    # The failed unit says unhealthy, then no replica answers (the rebuild), then a new one is up.
+    handle = ProbedHandle(failure, [False, None, None, True])
+    client = HandleEngineClient(handle, INFO)  # type: ignore[arg-type]
+    await drain(client)
+    assert client.recovering and handle.generate_calls == 1
+    held = await drain(client)
+    assert held[0].error is not None
+    assert (held[0].error.status, held[0].error.code, held[0].error.retry_after_s) == (503, "engine_recovering", 5.0)
+    assert handle.generate_calls == 1  # answered without a call to the router
+    for _ in range(200):
+        if not client.recovering:
+            break
+        await asyncio.sleep(0.01)
+    assert not client.recovering and handle.health_calls == 4
+    handle.response = FakeResponse([GenerateChunk([7], "stop")])
+    assert (await drain(client))[-1].finish_reason == "stop" and handle.generate_calls == 2
+
+
+async def test_other_errors_do_not_stop_traffic() -> None:
+    for error in (BackPressureError(10, 10, status_code=429, retry_after_s=2.0),
+                  DeploymentUnavailableError("Router")):  # type: ignore[arg-type]
+        client = HandleEngineClient(FakeHandle(FakeResponse([], error)), INFO)  # type: ignore[arg-type]
+        await drain(client)
+        assert not client.recovering
