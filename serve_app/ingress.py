@@ -221,7 +221,7 @@ class HandleEngineClient:
         self._router = router
         self.model_info = model_info
         self.recovering = False
-        self._probe: asyncio.Task[None] | None = None
+        self._probe: asyncio.Task[None] | None = None  # a strong reference keeps the task alive
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         if self.recovering:
@@ -273,7 +273,7 @@ class HandleEngineClient:
         while True:
             response = self._router.health.remote()
             try:
-                healthy = bool(await asyncio.wait_for(_result(response), self.PROBE_TIMEOUT_S))
+                healthy = bool(await asyncio.wait_for(response, self.PROBE_TIMEOUT_S))
             except asyncio.CancelledError:
                 raise
             except Exception:  # timed out (no replica to take it) or the replica failed
@@ -284,10 +284,6 @@ class HandleEngineClient:
                 logger.info("a serving unit answers healthy again: taking requests")
                 return
             await asyncio.sleep(self.PROBE_PERIOD_S)
-
-
-async def _result(response: Any) -> Any:
-    return await response
 
 
 def _settings(model: str | Mapping[str, Any], served_model_name: str | None, max_body_bytes: int | None,

@@ -139,7 +139,7 @@ class OpenAIServer:
                               "unsupported_value")
         prompt = request.prompt_input()
         size = len(prompt) if isinstance(prompt, str) else 0
-        ids = await self._cpu(size, self.prompts.completion_ids, prompt)
+        ids = await self._tokenize(size, self.prompts.completion_ids, prompt)
         echo_text = None
         if request.echo:
             echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
@@ -157,7 +157,7 @@ class OpenAIServer:
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
         size = sum(len(m.text()) for m in request.messages)
-        ids = await self._cpu(size, self.prompts.chat_ids, request.messages, request.add_generation_prompt)
+        ids = await self._tokenize(size, self.prompts.chat_ids, request.messages, request.add_generation_prompt)
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         renderer = ChatRenderer(request_id, self.model_id, int(arrival_s), self.strings, num_logprobs)
@@ -176,7 +176,7 @@ class OpenAIServer:
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
-    async def _cpu(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+    async def _tokenize(self, size: int, fn: Callable[..., T], *args: Any) -> T:
         """Tokenize (`fn`) a prompt of `size` characters; long ones off the event loop, and ones
         that cannot fit the context refused before any tokenizer work."""
         if self.prompts.min_tokens(size) >= self.info.max_model_len:
