@@ -67,6 +67,7 @@ def idle_health_ms(url: str, n: int = 100) -> dict[str, Any]:
 
 
 def run_policy(base: str, policy: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """One variant (an app named `policy` or `policy-stream<ms>`) on the shared trace."""
     url = f"{base}/{policy}"
     trace = azure_trace(args.rate, args.duration, seed=args.seed)
     meter = CpuMeter({"proxy": [a["pid"] for a in alive_actors("ProxyActor")],
@@ -104,12 +105,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=8)
     p.add_argument("--drain", type=float, default=300.0, help="seconds in-flight requests may take after the load")
     p.add_argument("--policy", action="append", choices=POLICIES, help="default: both")
+    p.add_argument("--stream-interval", action="append", type=float, metavar="S",
+                   help="args.streaming.interval_s of the units (repeat to compare; each policy runs with "
+                        "each; default: the config's)")
+    p.add_argument("--min-streams", type=int, default=None, help="args.streaming.min_streams (default: the config's)")
     p.add_argument("--out", type=Path, default=Path("runs/overload"))
     args = p.parse_args(argv)
     capacity = sim_capacity_rps()
     args.rate = args.load * capacity
-    policies = args.policy or list(POLICIES)
-    apps = [app_from_config("sim", pol, f"/{pol}", policy=pol) for pol in policies]
+    variants = [(pol, interval) for pol in args.policy or list(POLICIES)
+                for interval in (args.stream_interval or [None])]
+    policies, apps = [], []
+    for pol, interval in variants:
+        name = pol if interval is None else f"{pol}-stream{round(interval * 1000)}ms"
+        streaming = {k: v for k, v in (("interval_s", interval), ("min_streams", args.min_streams)) if v is not None}
+        policies.append(name)
+        apps.append(app_from_config("sim", name, f"/{name}", streaming=streaming, policy=pol))
     report: dict[str, Any] = {"machine_at_start": machine(), "capacity_rps": round(capacity, 3),
                               "rate_rps": round(args.rate, 3), "duration_s": args.duration, "seed": args.seed}
     with serve_cluster(apps) as base:

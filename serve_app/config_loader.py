@@ -1,6 +1,6 @@
 """Application arguments: the `args:` block of a Serve config, validated strictly.
 
-Owns: the pydantic models of `args` (`AppArgs` = engine + scheduler + ingress), the one place
+Owns: the pydantic models of `args` (`AppArgs` = engine + scheduler + ingress + streaming), the one place
 environment variables are read (`TIDAL_MODEL` overrides `engine.model`, e.g. a model path
 mounted into a KubeRay pod), and the translation to the core's frozen `SchedulerConfig`.
 Unknown keys are errors that name the key (Serve's own schema would accept them silently).
@@ -76,10 +76,19 @@ class IngressArgs(_Strict):
     request_timeout_s: float = Field(600.0, gt=0, description="a request running longer is aborted")
 
 
+class StreamingArgs(_Strict):
+    """Token streaming from the unit to the ingress (serve_app/engine_loop.py, StreamCoalescing)."""
+
+    interval_s: float = Field(0.0, ge=0, le=2.0, description="with min_streams or more streams open, send a "
+                              "stream's tokens at most this often (0: every token as it is made)")
+    min_streams: int = Field(16, ge=1, description="open streams from which tokens are coalesced")
+
+
 class AppArgs(_Strict):
     engine: EngineArgs = Field(default_factory=EngineArgs)
     scheduler: SchedulerArgs = Field(default_factory=SchedulerArgs)
     ingress: IngressArgs = Field(default_factory=IngressArgs)
+    streaming: StreamingArgs = Field(default_factory=StreamingArgs)
 
 
 def load_app_args(raw: dict[str, Any] | None, environ: dict[str, str] | None = None) -> AppArgs:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +26,8 @@ from serve_app.engine_api import EngineError, GenerateChunk, GenerateRequest
 
 log = logging.getLogger("tidalserve.engine")
 
+# A front-end delay larger than this is not believed (a node's clock is off): treated as none.
+MAX_FRONT_END_DELAY_S = 60.0
 _END = object()  # queue sentinel: the request is over (its finish reason is on the stream)
 
 
@@ -44,20 +47,59 @@ class EngineObserver(Protocol):
     def on_engine_error(self, kind: str) -> None: ...
 
 
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class _Stream:
-    __slots__ = ("finish_reason", "logprobs", "queue", "request")
+    __slots__ = ("ended", "finish_reason", "last_sent", "logprobs", "queue", "request", "waiter")
 
     def __init__(self, request: Request, logprobs: bool) -> None:
         self.request = request
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.finish_reason: str | None = None
         self.logprobs = logprobs
+        self.last_sent: float | None = None  # when its last chunk was yielded (None: nothing yet)
+        self.ended = False  # its end (or an error) is queued
+        self.waiter: asyncio.Future[None] | None = None  # set while a chunk is held
+
+    def end(self, item: object) -> None:
+        """Queue the end (or an error); a held chunk goes out at once."""
+        self.ended = True
+        self.queue.put_nowait(item)
+        if self.waiter is not None:
+            _wake(self.waiter)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamCoalescing:
+    """When many streams are open, send each stream's tokens at most every `interval_s`.
+
+    Every streamed chunk costs the front end (Serve's streaming call to the ingress, an SSE event,
+    the proxy's HTTP write) about the same whatever it holds, so under load the ingress and
+    proxy spend their CPU per chunk, not per token (docs/reliability.md, finding 4). With at
+    least `min_streams` streams open, a stream's tokens wait until `interval_s` has passed since
+    its previous chunk and go out together; with fewer (a quiet unit), every token goes out as it
+    is made. A stream's first chunk (TTFT) and its last (finish or error) are never held, so no
+    request ends later and a client's time per output token is unchanged; only the gaps between
+    chunks grow (vLLM's and SGLang's `stream_interval` trade the same thing, counted in tokens).
+    """
+
+    interval_s: float = 0.0
+    min_streams: int = 1
+
+    def __post_init__(self) -> None:
+        if self.interval_s < 0 or self.min_streams < 1:
+            raise ValueError(f"stream coalescing needs interval_s >= 0 and min_streams >= 1, got {self}")
 
 
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, executor: AsyncExecutor, observer: EngineObserver | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 coalescing: StreamCoalescing = StreamCoalescing()) -> None:
         self.sched = scheduler
+        self.coalescing = coalescing
         self.executor = executor
         self.observer = observer
         self.clock = clock
@@ -96,7 +138,14 @@ class EngineLoop:
                                                   retry_after_s=5.0))
             return
         now = self.clock()
-        req = Request(gen.request_id, len(gen.prompt_token_ids), gen.sampling, now, list(gen.prompt_token_ids))
+        # Arrival is when the front end received the request (its wall clock, moved onto this
+        # loop's clock): admission then judges, and TTFT metrics measure, the client's TTFT, with
+        # the time spent in the proxy and ingress, not only the time in this unit.
+        waited = time.time() - gen.arrival_s
+        if not 0.0 < waited <= MAX_FRONT_END_DELAY_S:
+            waited = 0.0
+        req = Request(gen.request_id, len(gen.prompt_token_ids), gen.sampling, now - waited,
+                      list(gen.prompt_token_ids))
         if self.observer:
             self.observer.on_arrival()
         rejection = self.sched.add_request(req, now)
@@ -120,11 +169,30 @@ class EngineLoop:
                 self.sched.abort(gen.request_id, self.clock())
                 self._wake.set()
 
+    async def _hold(self, stream: _Stream) -> None:
+        """Wait until the stream's next chunk is due (see StreamCoalescing), or until it ends."""
+        rule = self.coalescing
+        if rule.interval_s <= 0 or stream.last_sent is None or stream.ended or len(self.streams) < rule.min_streams:
+            return
+        delay = stream.last_sent + rule.interval_s - self.clock()
+        if delay <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        stream.waiter = waiter = loop.create_future()
+        timer = loop.call_later(delay, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            stream.waiter = None
+
     async def _drain(self, stream: _Stream) -> AsyncIterator[GenerateChunk]:
         queue = stream.queue
         num_prompt = stream.request.num_prompt_tokens
         while True:
             item = await queue.get()
+            if item is not _END and not isinstance(item, EngineError):
+                await self._hold(stream)
             tokens: list[int] = []
             logprobs: list[list[tuple[int, float]]] | None = [] if stream.logprobs else None
             done = False
@@ -143,6 +211,7 @@ class EngineLoop:
                 if done or queue.empty():
                     break
                 item = queue.get_nowait()
+            stream.last_sent = self.clock()
             yield GenerateChunk(tokens, stream.finish_reason if done and error is None else None, logprobs,
                                 num_prompt, error)
             if done:
@@ -197,7 +266,7 @@ class EngineLoop:
             stream = streams.get(req.request_id)
             if stream is not None:
                 stream.finish_reason = req.finish_reason.value if req.finish_reason else None
-                stream.queue.put_nowait(_END)
+                stream.end(_END)
         # Let the streams' consumers run between steps (a step can be shorter than a loop tick).
         await asyncio.sleep(0)
 
@@ -210,4 +279,4 @@ class EngineLoop:
                             "the serving unit failed mid-request; retry", retry_after_s=5.0)
         self.sched.abort_all(self.clock())
         for stream in list(self.streams.values()):
-            stream.queue.put_nowait(error)
+            stream.end(error)

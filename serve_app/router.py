@@ -24,7 +24,7 @@ from serve_app.core import Scheduler
 from serve_app.core.config import ServicePrior
 from serve_app.core.regime import REGIME_LEVEL
 from serve_app.engine_api import GenerateChunk, GenerateRequest, ModelInfo
-from serve_app.engine_loop import EngineLoop
+from serve_app.engine_loop import EngineLoop, StreamCoalescing
 from serve_app.metrics import UnitMetrics
 
 log = logging.getLogger("tidalserve.router")
@@ -77,7 +77,8 @@ class Router:
         cfg = dataclasses.replace(cfg, cuda_graph_buckets=tuple(self.group.cuda_graph_buckets))
         self.scheduler = Scheduler(cfg, now=time.monotonic())
         self.metrics = UnitMetrics(self.unit)
-        self.loop = EngineLoop(self.scheduler, self.group, self.metrics)
+        self.loop = EngineLoop(self.scheduler, self.group, self.metrics,
+                               coalescing=StreamCoalescing(app.streaming.interval_s, app.streaming.min_streams))
         self.info = ModelInfo(app.engine.model_id, self.group.max_model_len, tuple(self.group.eos_token_ids),
                               app.engine.backend)
         self._gauge_task: asyncio.Task[None] | None = None

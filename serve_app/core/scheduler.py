@@ -114,8 +114,11 @@ class Scheduler:
 
     def unit_state(self, now: float, req: Request) -> UnitState:
         busy = bool(self.waiting) or bool(self.prefilling) or self.num_running >= self.max_running()
+        # The client's TTFT: what the request already spent before reaching the unit (its
+        # `arrival_s` is the front end's arrival, moved onto this clock) plus what is predicted here.
         return UnitState(len(self.waiting), len(self.decodes.reqs), self.blocks.usage(),
-                         self.predicted_queue_delay_s(now, req.num_prompt_tokens), busy, self.regime.regime)
+                         max(0.0, now - req.arrival_s) + self.predicted_queue_delay_s(now, req.num_prompt_tokens),
+                         busy, self.regime.regime)
 
     def predicted_queue_delay_s(self, now: float, own_prompt_tokens: int = 0, corrected: bool = True) -> float:
         """Time before a request arriving now would start its prefill (with `own_prompt_tokens`:
@@ -175,8 +178,10 @@ class Scheduler:
             req.finished_s = now
             self.stats.rejected[rejection.reason] += 1
             return rejection
-        # The raw model's prediction: its measured error is what the correction learns.
-        req.predicted_ttft_s = self.predicted_queue_delay_s(now, req.num_prompt_tokens, corrected=False)
+        # The raw model's prediction (plus the time already spent in front of the unit, which the
+        # first token's measured TTFT holds too): its measured error is what the correction learns.
+        req.predicted_ttft_s = max(0.0, now - req.arrival_s) + self.predicted_queue_delay_s(
+            now, req.num_prompt_tokens, corrected=False)
         self.requests[req.request_id] = req
         self.waiting.append(req)
         self._waiting_tokens += req.num_tokens

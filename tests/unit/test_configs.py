@@ -12,7 +12,14 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from serve_app.config_check import check_serve_config
-from serve_app.config_loader import EngineArgs, IngressArgs, SchedulerArgs, load_app_args, scheduler_config
+from serve_app.config_loader import (
+    EngineArgs,
+    IngressArgs,
+    SchedulerArgs,
+    StreamingArgs,
+    load_app_args,
+    scheduler_config,
+)
 from serve_app.core import AdmissionConfig, BatchingConfig, RegimeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +68,8 @@ def _prod() -> dict:
     (lambda d: d["applications"][0]["args"]["scheduler"].update(policy="magic"), "magic"),
     (lambda d: d["applications"][0]["args"]["engine"].update(tp=4), "GPU bundles"),
     (lambda d: d["applications"][0]["deployments"][1]["ray_actor_options"].update(num_cpu=1), "num_cpu"),
+    (lambda d: d["applications"][0]["args"].update(streaming={"interval": 0.1}), "interval"),
+    (lambda d: d["applications"][0]["args"].update(streaming={"interval_s": -1}), "interval_s"),
 ])
 def test_strict_check_catches_what_ray_accepts(mutate, fragment: str) -> None:
     data = copy.deepcopy(_prod())
@@ -81,7 +90,8 @@ def test_env_override_and_unknown_core_override() -> None:
 
 def test_every_knob_is_documented() -> None:
     doc = (ROOT / "docs" / "configuration.md").read_text()
-    names = set(EngineArgs.model_fields) | set(SchedulerArgs.model_fields) | set(IngressArgs.model_fields)
+    names = (set(EngineArgs.model_fields) | set(SchedulerArgs.model_fields) | set(IngressArgs.model_fields)
+             | set(StreamingArgs.model_fields))
     for cls in (BatchingConfig, RegimeConfig, AdmissionConfig):
         names |= {f.name for f in dataclasses.fields(cls)} - {"mode"}
     missing = sorted(n for n in names if f"`{n}`" not in doc)

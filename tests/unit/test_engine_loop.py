@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import time
 
-from serve_app.core import AdmissionConfig, SamplingParams, Scheduler, SchedulerConfig, StepPlan, StepResult, preset
+import pytest
+
+from serve_app.core import (
+    AdmissionConfig,
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    StepPlan,
+    StepResult,
+    preset,
+)
 from serve_app.engine_api import GenerateChunk, GenerateRequest
-from serve_app.engine_loop import EngineLoop
+from serve_app.engine_loop import EngineLoop, StreamCoalescing
 from tests.helpers import FakeExecutor
 
 CFG = SchedulerConfig(max_batch_size=8, max_num_batched_tokens=64, max_model_len=256, block_size=4, num_kv_blocks=128)
@@ -28,7 +42,7 @@ class AsyncFake:
 
 
 def gen(rid: str, prompt: int = 8, max_tokens: int = 5) -> GenerateRequest:
-    return GenerateRequest(rid, list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens), 0.0)
+    return GenerateRequest(rid, list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens), time.time())
 
 
 async def collect(loop: EngineLoop, req: GenerateRequest) -> list[GenerateChunk]:
@@ -95,6 +109,120 @@ def test_executor_failure_errors_every_stream_quickly_and_marks_unhealthy() -> N
         assert late[0].error is not None and late[0].error.code == "engine_failed"
         assert "worker died" not in late[0].error.message
         assert not loop.sched.has_unfinished
+        await loop.stop()
+
+    asyncio.run(main())
+
+
+async def _timed(loop: EngineLoop, req: GenerateRequest) -> list[tuple[float, GenerateChunk]]:
+    return [(time.monotonic(), c) async for c in loop.generate(req)]
+
+
+def test_coalescing_holds_tokens_between_chunks_but_never_the_first() -> None:
+    interval = 0.03
+
+    async def main() -> None:
+        loop = EngineLoop(Scheduler(preset("continuous", CFG)), AsyncFake(step_s=0.004),
+                          coalescing=StreamCoalescing(interval, min_streams=2))
+        a, b = await asyncio.gather(_timed(loop, gen("a", 8, 40)), _timed(loop, gen("b", 8, 40)))
+        for timed in (a, b):
+            chunks = [c for _, c in timed]
+            assert [t for c in chunks for t in c.token_ids] == [42] * 40
+            assert len(chunks[0].token_ids) == 1  # the first token is never held (TTFT)
+            assert len(chunks) < 20 and max(len(c.token_ids) for c in chunks) > 1
+            assert chunks[-1].finish_reason == "length"
+            # Chunks before the last are spaced by the interval at least (timers fire late, never
+            # more than the clock's resolution early).
+            sent = [t for t, _ in timed[:-1]]
+            assert all(later - earlier >= interval - 0.002 for earlier, later in itertools.pairwise(sent))
+        await loop.stop()
+
+    asyncio.run(main())
+
+
+def test_a_quiet_unit_sends_every_token_as_it_is_made() -> None:
+    async def main() -> None:
+        loop = EngineLoop(Scheduler(preset("continuous", CFG)), AsyncFake(step_s=0.004),
+                          coalescing=StreamCoalescing(1.0, min_streams=2))
+        chunks = await asyncio.wait_for(collect(loop, gen("alone", 8, 12)), 10)
+        assert [len(c.token_ids) for c in chunks] == [1] * 12  # one open stream < min_streams
+        await loop.stop()
+
+    asyncio.run(main())
+
+
+def test_the_end_and_an_error_are_never_held() -> None:
+    async def main() -> None:
+        # With a 30 s interval, a held chunk would only go out after 30 s: the end must wake it.
+        slow = StreamCoalescing(30.0, min_streams=1)
+        loop = EngineLoop(Scheduler(preset("continuous", CFG)), AsyncFake(step_s=0.004), coalescing=slow)
+        chunks = await asyncio.wait_for(collect(loop, gen("short", 8, 6)), 10)
+        assert [len(c.token_ids) for c in chunks] == [1, 5] and chunks[-1].finish_reason == "length"
+        await loop.stop()
+
+        failing = EngineLoop(Scheduler(preset("continuous", CFG)), AsyncFake(step_s=0.004, fail_at_step=5),
+                             coalescing=slow)
+        chunks = await asyncio.wait_for(collect(failing, gen("doomed", 8, 50)), 10)
+        assert chunks[0].token_ids == [42] and chunks[-1].error is not None and chunks[-1].error.status == 503
+        assert not failing.sched.has_unfinished
+        await failing.stop()
+
+    asyncio.run(main())
+
+
+def test_a_client_leaving_during_a_hold_aborts_its_request() -> None:
+    async def main() -> None:
+        loop = EngineLoop(Scheduler(preset("continuous", CFG)), AsyncFake(step_s=0.004),
+                          coalescing=StreamCoalescing(30.0, min_streams=1))
+        stream = loop.generate(gen("leaver", 8, 200))
+        assert (await stream.__anext__()).token_ids == [42]
+        pending = asyncio.ensure_future(stream.__anext__())  # held: the interval is 30 s
+        await asyncio.sleep(0.05)
+        assert not pending.done()
+        pending.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pending
+        await stream.aclose()
+        await asyncio.sleep(0.02)
+        assert not loop.sched.has_unfinished and loop.sched.stats.finished["abort"] == 1
+        assert loop.sched.blocks.num_free_blocks == loop.sched.blocks.num_blocks
+        await loop.stop()
+
+    asyncio.run(main())
+
+
+def test_coalescing_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="interval_s >= 0"):
+        StreamCoalescing(-0.1)
+    with pytest.raises(ValueError, match="min_streams >= 1"):
+        StreamCoalescing(0.05, min_streams=0)
+
+
+class _TtftProbe:
+    """An observer that keeps each first token's TTFT as the unit measures it."""
+
+    def __init__(self) -> None:
+        self.ttft: dict[str, float] = {}
+
+    def on_arrival(self) -> None: ...
+    def on_rejection(self, reason: str) -> None: ...
+    def on_step(self, *args: object) -> None: ...
+    def on_finish(self, *args: object) -> None: ...
+    def on_engine_error(self, kind: str) -> None: ...
+
+    def on_first_token(self, req: Request, now: float) -> None:
+        self.ttft[req.request_id] = now - req.arrival_s
+
+
+def test_time_spent_in_the_front_end_counts_and_an_implausible_one_is_ignored() -> None:
+    async def main() -> None:
+        probe = _TtftProbe()
+        loop = EngineLoop(Scheduler(preset("continuous", CFG)), AsyncFake(), probe)
+        sampling = SamplingParams(max_tokens=2)
+        await collect(loop, GenerateRequest("front", [1, 2, 3], sampling, time.time() - 2.0))  # 2 s in the ingress
+        await collect(loop, GenerateRequest("epoch", [1, 2, 3], sampling, 0.0))  # a clock that is off
+        assert 2.0 <= probe.ttft["front"] < 30.0
+        assert probe.ttft["epoch"] < 2.0
         await loop.stop()
 
     asyncio.run(main())

@@ -106,6 +106,25 @@ def test_full_batch_adds_the_wait_for_a_slot() -> None:
     assert count[1] < count[0]
 
 
+def test_time_spent_before_the_unit_counts_toward_the_predicted_ttft() -> None:
+    # Two units with the same backlog: a request that arrives fresh is admitted, the same request
+    # that already spent 0.8 s in the front end (arrival_s earlier than now) would reach its first
+    # token past the 1 s target, so it is refused; and the prediction the TTFT correction learns
+    # from includes that time, as the measured TTFT will.
+    units = [_loaded_scheduler(max_batch_size=64, target_ttft_s=1.0, burst_factor=1.0) for _ in range(2)]
+    for s in units:
+        for i in range(3):
+            assert s.add_request(Request(f"r{i}", 100, SamplingParams(), 10.0), 10.0) is None
+    fresh, late = units
+    assert fresh.add_request(Request("x", 100, SamplingParams(), 10.0), 10.0) is None
+    rej = late.add_request(Request("x", 100, SamplingParams(), 9.2), 10.0)
+    assert rej is not None and rej.reason == "prefill_backlog"
+    own = Request("z", 10, SamplingParams(), 9.5)
+    roomy = _loaded_scheduler(target_ttft_s=100.0)
+    assert roomy.add_request(own, 10.0) is None
+    assert own.predicted_ttft_s is not None and own.predicted_ttft_s >= 0.5
+
+
 def test_a_request_with_nothing_ahead_is_always_admitted() -> None:
     idle = _loaded_scheduler(target_ttft_s=0.1)
     assert idle.add_request(Request("big", 1000, SamplingParams(), 0.0), 0.0) is None

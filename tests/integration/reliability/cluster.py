@@ -155,9 +155,11 @@ def replicas_rss(app: str) -> dict[str, int]:
 
 
 
-def app_from_config(config: str, name: str, route_prefix: str, **scheduler: Any) -> dict[str, Any]:
+def app_from_config(config: str, name: str, route_prefix: str, *, streaming: dict[str, Any] | None = None,
+                    **scheduler: Any) -> dict[str, Any]:
     """The one application of configs/<config>.yaml, renamed and re-routed, with scheduler overrides
-    (e.g. `policy="continuous"`): deployed through Serve's config path as `serve deploy` would."""
+    (e.g. `policy="continuous"`) and `args.streaming` overrides: deployed through Serve's config
+    path as `serve deploy` would."""
     import copy
 
     import yaml
@@ -165,6 +167,8 @@ def app_from_config(config: str, name: str, route_prefix: str, **scheduler: Any)
     (app,) = yaml.safe_load((ROOT / "configs" / f"{config}.yaml").read_text())["applications"]
     app = copy.deepcopy(app)
     app["args"]["scheduler"].update(scheduler)
+    if streaming:
+        app["args"]["streaming"] = {**app["args"].get("streaming", {}), **streaming}
     return {**app, "name": name, "route_prefix": route_prefix}
 
 
