@@ -16,16 +16,54 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    WithJsonSchema,
+    field_validator,
+    model_serializer,
+)
 from pydantic_core import PydanticCustomError
 
-from serve_app.openai_validation import check_content, check_prompt, check_role, check_stop
+from serve_app.openai_validation import MAX_STOP_STRINGS, check_content, check_prompt, check_role, check_stop
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20  # SamplingParams' bound; OpenAI's own limit is 20 for top_logprobs
 
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
-PositiveInt = Annotated[StrictInt, Field(ge=1)]
+# Constraints the validators (serve_app/openai_validation.py) enforce first with their own
+# messages, declared here as well so that the OpenAPI schema says what is accepted: client
+# generators and fuzzers then produce valid requests (reliability finding 9).
+NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+# Token ids: the vocabulary check (with its message) is the server's; the schema says >= 0.
+TokenIds = Annotated[list[Annotated[StrictInt, WithJsonSchema({"type": "integer", "minimum": 0})]], Field(min_length=1)]
+
+
+def _only(**schema: Any) -> dict[str, Any]:
+    """Schema keywords for a value the server accepts in one form only (it refuses others with 400)."""
+    return {"json_schema_extra": schema}
+
+
+def _json_integer(value: Any) -> Any:
+    """JSON has one number type: 16.0 is the integer 16 (JSON Schema says so, and OpenAI's
+    clients in typed languages may send it). Anything else (16.5, "16", true) stays an error."""
+    if type(value) is float and value.is_integer() and INT64_MIN <= value <= INT64_MAX:
+        return int(value)
+    return value
+
+
+# The bounds go before the validator: so placed they become the schema's minimum / maximum.
+_AsInt = BeforeValidator(_json_integer)
+JsonInt = Annotated[StrictInt, _AsInt]
+PositiveInt = Annotated[StrictInt, Field(ge=1), _AsInt]
+NonNegativeInt = Annotated[StrictInt, Field(ge=0), _AsInt]
+Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX), _AsInt]
+LogprobCount = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS), _AsInt]
 
 
 def _unsupported(name: str, shown: str, why: str) -> PydanticCustomError:
@@ -47,20 +85,24 @@ class SamplingFields(OpenAIModel):
     model: StrictStr | None = Field(None, description="Served model id (or its alias); defaults to the served model")
     temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = Field(None, description="0 is greedy; default 1")
     top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: StrictInt | None = Field(None, description="Extension: keep the k most likely tokens; -1 or 0 disables")
-    n: StrictInt = Field(1, description="Only 1 is supported")
+    top_k: JsonInt | None = Field(None, description="Extension: keep the k most likely tokens; -1 or 0 disables",
+                                    **_only(minimum=-1))
+    n: JsonInt = Field(1, description="Only 1 is supported", **_only(minimum=1, maximum=1))
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: StrictStr | list[StrictStr] | None = Field(None, description="Up to 16 non-empty stop strings")
-    seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
-    presence_penalty: Float | None = Field(None, description="Only 0 is supported")
-    frequency_penalty: Float | None = Field(None, description="Only 0 is supported")
-    repetition_penalty: Float | None = Field(None, description="Extension; only 1 is supported")
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported (must be empty)")
+    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description=f"Up to {MAX_STOP_STRINGS} non-empty stop strings")
+    seed: Int64 | None = None
+    presence_penalty: Float | None = Field(None, description="Only 0 is supported", **_only(minimum=0, maximum=0))
+    frequency_penalty: Float | None = Field(None, description="Only 0 is supported", **_only(minimum=0, maximum=0))
+    repetition_penalty: Float | None = Field(None, description="Extension; only 1 is supported",
+                                             **_only(minimum=1, maximum=1))
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported (must be empty)",
+                                                **_only(maxProperties=0))
     user: StrictStr | None = None
     ignore_eos: StrictBool = Field(False, description="Extension: do not stop at the model's EOS tokens")
-    min_tokens: Annotated[StrictInt, Field(ge=0)] = Field(0, description="Extension: no EOS/stop before this many")
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(None, description="Extension")
+    min_tokens: NonNegativeInt = Field(0, description="Extension: no EOS/stop before this many")
+    stop_token_ids: list[NonNegativeInt] | None = Field(None, description="Extension")
     skip_special_tokens: StrictBool = Field(True, description="Extension: drop special tokens from the text")
     include_stop_str_in_output: StrictBool = Field(False, description="Extension: keep the matched stop string")
 
@@ -116,13 +158,14 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] = Field(
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=1)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]) = Field(
         ..., description="A string, a list of one string, a list of token ids, or a list of one list of token ids")
     max_tokens: PositiveInt | None = Field(None, description="Default 16 (capped to the context left)")
-    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: LogprobCount | None = None
     echo: StrictBool = Field(False, description="Prepend the prompt to the text (not with logprobs)")
-    suffix: StrictStr | None = Field(None, description="Not supported")
-    best_of: StrictInt | None = Field(None, description="Only 1 is supported")
+    suffix: StrictStr | None = Field(None, description="Not supported", **_only(maxLength=0))
+    best_of: JsonInt | None = Field(None, description="Only 1 is supported", **_only(minimum=1, maximum=1))
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -183,14 +226,15 @@ class ChatMessage(OpenAIModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(..., **_only(minItems=1))
     max_tokens: PositiveInt | None = Field(None, description="Deprecated alias of max_completion_tokens")
     max_completion_tokens: PositiveInt | None = Field(None, description="Default: the context left")
     logprobs: StrictBool = False
-    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported (must be empty)")
-    tool_choice: Any = Field(None, description="Only 'none' is accepted")
-    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'}")
+    top_logprobs: LogprobCount | None = None
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported (must be empty)", **_only(maxItems=0))
+    tool_choice: Any = Field(None, description="Only 'none' is accepted", **_only(enum=["none", None]))
+    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'}", **_only(
+        properties={"type": {"const": "text"}}, required=["type"]))
     add_generation_prompt: StrictBool = Field(True, description="Extension: end the template with the "
                                               "assistant prefix")
 

@@ -35,7 +35,12 @@ def _text(value: str, what: str) -> str:
 
 
 def _is_token_id(value: Any) -> bool:
-    return type(value) is int  # bool is an int subclass and is not a token id
+    # bool is an int subclass and is not a token id; 5.0 is the JSON integer 5
+    return type(value) is int or (type(value) is float and value.is_integer())
+
+
+def _ids(values: list[Any]) -> list[int]:
+    return [int(v) for v in values]
 
 
 def check_prompt(value: Any) -> Any:
@@ -50,7 +55,7 @@ def check_prompt(value: Any) -> Any:
     if not value:
         raise _error("invalid_value", "prompt must not be empty")
     if all(_is_token_id(t) for t in value):
-        return value
+        return _ids(value)
     if all(isinstance(p, str) for p in value) or all(isinstance(p, list) for p in value):
         if len(value) != 1:
             raise _error("unsupported_value", "batched prompts ({n} prompts in one request) are not supported; "
@@ -58,10 +63,11 @@ def check_prompt(value: Any) -> Any:
         inner = value[0]
         if not inner:
             raise _error("invalid_value", "prompt must not be empty")
-        if isinstance(inner, list) and not all(_is_token_id(t) for t in inner):
-            raise _error("invalid_type", "prompt token ids must be integers")
-        if isinstance(inner, str):
-            _text(inner, "prompt")
+        if isinstance(inner, list):
+            if not all(_is_token_id(t) for t in inner):
+                raise _error("invalid_type", "prompt token ids must be integers")
+            return [_ids(inner)]
+        _text(inner, "prompt")
         return value
     raise _error("invalid_type", shape)
 

@@ -4,6 +4,7 @@ that our responses are in OpenAI's shapes (the official client's own types parse
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import openai.types as oai
@@ -63,12 +64,19 @@ def test_completion_bad_parameters_name_the_parameter(extra: dict[str, Any], par
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("max_tokens", "5"), ("max_tokens", 5.0), ("max_tokens", True), ("temperature", "0.5"), ("stream", 1),
-    ("stream", "true"), ("model", 7), ("echo", "no"), ("user", 3),
+    ("max_tokens", "5"), ("max_tokens", 5.5), ("max_tokens", True), ("seed", 1e19), ("temperature", "0.5"),
+    ("stream", 1), ("stream", "true"), ("model", 7), ("echo", "no"), ("user", 3),
 ])
 def test_wrong_types_are_not_coerced(field: str, value: Any) -> None:
     message, param, code = rejection(CompletionRequest, {"prompt": "hi", field: value})
     assert param == field and code.endswith("_type") and repr(value) in message
+
+
+def test_an_integral_number_is_an_integer() -> None:
+    # JSON has one number type and JSON Schema calls 5.0 an integer (typed clients may send it).
+    req = CompletionRequest.model_validate({"prompt": "hi", "max_tokens": 5.0, "seed": -3.0, "stop_token_ids": [2.0]})
+    assert (req.max_tokens, req.seed, req.stop_token_ids) == (5, -3, [2])
+    assert type(req.max_tokens) is int
 
 
 @pytest.mark.parametrize(("prompt", "needle"), [
@@ -186,3 +194,18 @@ def test_error_body_shape() -> None:
     body = ErrorResponse(error=ErrorInfo(message="m", type="invalid_request_error", param="n", code="x"))
     assert body.model_dump() == {"error": {"message": "m", "type": "invalid_request_error", "param": "n",
                                            "code": "x"}}
+
+
+def test_the_schema_uses_only_json_schema_keywords() -> None:
+    # pydantic writes a bound it could not place on a type as a bare "ge"/"le", which no JSON
+    # Schema tool understands (the bound would silently vanish from generated clients).
+    for model in (CompletionRequest, ChatCompletionRequest):
+        text = json.dumps(model.model_json_schema())
+        assert not re.findall(r'"(ge|le|gt|lt)":', text), model.__name__
+
+
+def test_prompt_token_ids_may_be_integral_numbers() -> None:
+    assert CompletionRequest.model_validate({"prompt": [1.0, 2]}).prompt_input() == [1, 2]
+    assert CompletionRequest.model_validate({"prompt": [[3.0]]}).prompt_input() == [3]
+    message, param, _ = rejection(CompletionRequest, {"prompt": [1.5]})
+    assert param == "prompt" and "must be" in message
