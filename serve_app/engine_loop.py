@@ -1,6 +1,7 @@
 """The async engine loop of one serving unit: the core Scheduler on the wall clock.
 
-Owns: `EngineLoop` — per-request token streams, the step loop (schedule -> execute ->
+Owns: `EngineLoop` — per-request token streams (coalesced when the unit is busy:
+`StreamCoalescing`; arrival taken from the ingress's clock), the step loop (schedule -> execute ->
 on_step_done -> fan tokens out), micro-wait sleeps, abort on cancellation, and failure
 handling. It makes no policy decision (serve_app/core does) and knows nothing of Serve:
 the Router deployment (serve_app/router.py) wraps it, and tests drive it with a fake executor.

@@ -71,13 +71,15 @@ def replica_actor_names(app: str, deployment: str) -> list[str]:
                   if a["namespace"] == "serve" and a["name"].startswith(prefix))
 
 
-def tp_worker_actor_names(unit: str | None = None) -> list[str]:
-    """TP worker actors named `tidal-tp-<unit>-r<rank>` in namespace "serve"."""
+def tp_worker_actor_names(unit: str | None = None) -> list[tuple[str, str]]:
+    """(namespace, name) of the TP worker actors named `tidal-tp-<unit>-r<rank>`. Workers are
+    created from inside the Router replica and land in the namespace of the job that deployed the
+    application (not Serve's "serve"), so every namespace is searched."""
     import ray
 
     prefix = f"tidal-tp-{unit}-r" if unit else "tidal-tp-"
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == "serve" and a["name"].startswith(prefix))
+    return sorted((a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith(prefix))
 
 
 def alive_actors(class_name: str) -> list[dict[str, Any]]:

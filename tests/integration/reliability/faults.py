@@ -151,8 +151,8 @@ def serves(url: str, model: str) -> bool:
 
 
 def kill_tp_worker(unit: str) -> str:
-    """Kill rank 0 of `unit`'s TP workers: by name (`tidal-tp-<unit>-r0`, namespace "serve") when
-    the workers are named, else SIGKILL the one live TPWorker process of this cluster."""
+    """Kill rank 0 of `unit`'s TP workers: by name (`tidal-tp-<unit>-r0`) when the workers are
+    named, else SIGKILL the one live TPWorker process of this cluster."""
     import os
     import signal
 
@@ -160,8 +160,9 @@ def kill_tp_worker(unit: str) -> str:
 
     names = tp_worker_actor_names(unit)
     if names:
-        ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
-        return f"ray.kill({names[0]})"
+        namespace, name = names[0]
+        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        return f"ray.kill({name})"
     workers = alive_actors("TPWorker")
     if len(workers) != 1:
         raise RuntimeError(f"expected the one TP worker of unit {unit}, found {workers}")
