@@ -131,10 +131,11 @@ def test_coalescing_holds_tokens_between_chunks_but_never_the_first() -> None:
             assert len(chunks[0].token_ids) == 1  # the first token is never held (TTFT)
             assert len(chunks) < 20 and max(len(c.token_ids) for c in chunks) > 1
             assert chunks[-1].finish_reason == "length"
-            # Chunks before the last are spaced by the interval at least (timers fire late, never
-            # more than the clock's resolution early).
+            # Chunks before the last are spaced by about the interval at least (timers fire late,
+            # never early; the slack covers this test's own clock reads being preempted). Unheld,
+            # they would come one 4 ms step apart.
             sent = [t for t, _ in timed[:-1]]
-            assert all(later - earlier >= interval - 0.002 for earlier, later in itertools.pairwise(sent))
+            assert all(later - earlier >= interval - 0.01 for earlier, later in itertools.pairwise(sent))
         await loop.stop()
 
     asyncio.run(main())
