@@ -47,10 +47,13 @@ def _h(name: str, description: str, boundaries: tuple[float, ...], tags: tuple[s
     return MetricDef(name, "histogram", description, tags, boundaries)
 
 
-TTFT = _h("tidal_ttft_seconds", "Time to first token: arrival at the router to first token out", LATENCY_BUCKETS_S)
+TTFT = _h("tidal_ttft_seconds", "Time to first token: arrival at the ingress to the first token out of the unit",
+          LATENCY_BUCKETS_S)
 ITL = _h("tidal_inter_token_latency_seconds", "Time between consecutive output tokens of a request", ITL_BUCKETS_S)
-E2E = _h("tidal_e2e_latency_seconds", "Arrival to last token, for requests that completed", LATENCY_BUCKETS_S)
-QUEUE_TIME = _h("tidal_queue_time_seconds", "Arrival to admission into a running batch", LATENCY_BUCKETS_S)
+E2E = _h("tidal_e2e_latency_seconds", "Arrival at the ingress to the last token, for requests that completed",
+         LATENCY_BUCKETS_S)
+QUEUE_TIME = _h("tidal_queue_time_seconds", "Arrival at the ingress to admission into a running batch",
+                LATENCY_BUCKETS_S)
 MICROWAIT = _h("tidal_microwait_seconds", "Wait chosen by the batching policy before a step (0 = none)",
                WAIT_BUCKETS_S)
 BATCH_SIZE = _h("tidal_batch_size", "Sequences in an engine step", BATCH_BUCKETS)

@@ -233,3 +233,9 @@ def test_push_reports_a_failure(fake_grafana: tuple[str, type[_Grafana]], capsys
     assert tidal(["dashboards", "push", "--url", url, "--token", "t", "--folder", ""]) == 1
     assert "boom" in capsys.readouterr().err
     assert [p for _, p, _, _ in handler.calls] == ["/api/dashboards/db"]
+
+
+def test_every_metric_is_in_the_metrics_reference() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    missing = [m.prom_name for m in M.ALL_METRICS if f"`{m.prom_name}" not in doc or m.description not in doc]
+    assert not missing, f"docs/metrics.md does not list (or describes differently): {missing}"
