@@ -38,6 +38,14 @@ class EngineError:
     message: str
     retry_after_s: float | None = None
 
+    @classmethod
+    def unavailable(cls, code: str, message: str, retry_after_s: float) -> EngineError:
+        """A 503 `server_error`: the serving unit failed or is not there yet; the client retries."""
+        return cls(503, "server_error", code, message, retry_after_s)
+
+
+UNIT_REPLACED = "the serving unit failed and is being replaced; retry"
+
 
 @dataclass
 class GenerateChunk:

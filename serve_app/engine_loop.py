@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from serve_app.core import Idle, Request, Run, Scheduler, StepPlan, StepResult, WaitUntil
-from serve_app.engine_api import EngineError, GenerateChunk, GenerateRequest
+from serve_app.engine_api import UNIT_REPLACED, EngineError, GenerateChunk, GenerateRequest
 
 log = logging.getLogger("tidalserve.engine")
 
@@ -134,9 +134,7 @@ class EngineLoop:
         if not self.healthy:
             # The cause stays in the log and in unit_state()["failure"]: clients are not shown
             # the cluster's insides (actor ids, pids, addresses).
-            yield GenerateChunk(error=EngineError(503, "server_error", "engine_failed",
-                                                  "this serving unit failed and is being replaced; retry",
-                                                  retry_after_s=5.0))
+            yield GenerateChunk(error=EngineError.unavailable("engine_failed", UNIT_REPLACED, 5.0))
             return
         now = self.clock()
         # Arrival is when the front end received the request (its wall clock, moved onto this
@@ -173,7 +171,7 @@ class EngineLoop:
     async def _hold(self, stream: _Stream) -> None:
         """Wait until the stream's next chunk is due (see StreamCoalescing), or until it ends."""
         rule = self.coalescing
-        if rule.interval_s <= 0 or stream.last_sent is None or stream.ended or len(self.streams) < rule.min_streams:
+        if stream.last_sent is None or stream.ended or len(self.streams) < rule.min_streams:
             return
         delay = stream.last_sent + rule.interval_s - self.clock()
         if delay <= 0:
@@ -190,9 +188,10 @@ class EngineLoop:
     async def _drain(self, stream: _Stream) -> AsyncIterator[GenerateChunk]:
         queue = stream.queue
         num_prompt = stream.request.num_prompt_tokens
+        hold = self.coalescing.interval_s > 0
         while True:
             item = await queue.get()
-            if item is not _END and not isinstance(item, EngineError):
+            if hold:  # an end or an error sets `stream.ended` first: `_hold` never delays one
                 await self._hold(stream)
             tokens: list[int] = []
             logprobs: list[list[tuple[int, float]]] | None = [] if stream.logprobs else None
@@ -276,8 +275,7 @@ class EngineLoop:
         self.failure = f"{type(exc).__name__}: {exc}"
         if self.observer:
             self.observer.on_engine_error(type(exc).__name__)
-        error = EngineError(503, "server_error", "engine_failed",
-                            "the serving unit failed mid-request; retry", retry_after_s=5.0)
+        error = EngineError.unavailable("engine_failed", "the serving unit failed mid-request; retry", 5.0)
         self.sched.abort_all(self.clock())
         for stream in list(self.streams.values()):
             stream.end(error)

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from serve_app.engine_api import EngineError, GenerateChunk, GenerateRequest, ModelInfo
+from serve_app.engine_api import UNIT_REPLACED, EngineError, GenerateChunk, GenerateRequest, ModelInfo
 from serve_app.http_limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, error_response
 from serve_app.openai_errors import OpenAIError, server_error, unavailable
 from serve_app.openai_protocol import (
@@ -225,9 +225,8 @@ class HandleEngineClient:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         if self.recovering:
-            yield GenerateChunk(error=EngineError(503, "server_error", "engine_recovering",
-                                                  "the serving unit failed and is being replaced; retry",
-                                                  self.RECOVERING_RETRY_AFTER_S))
+            yield GenerateChunk(error=EngineError.unavailable("engine_recovering", UNIT_REPLACED,
+                                                              self.RECOVERING_RETRY_AFTER_S))
             return
         response = cast(DeploymentResponseGenerator[GenerateChunk],
                         self._router.generate.options(stream=True).remote(request))
@@ -246,12 +245,11 @@ class HandleEngineClient:
             yield GenerateChunk(error=EngineError(status, kind, "router_queue_full", str(err),
                                                   getattr(err, "retry_after_s", None)))
         except (DeploymentUnavailableError, ReplicaUnavailableError) as err:
-            yield GenerateChunk(error=EngineError(503, "server_error", "engine_unavailable", str(err), 1.0))
+            yield GenerateChunk(error=EngineError.unavailable("engine_unavailable", str(err), 1.0))
         except Exception:  # a dead actor or a router bug: the client gets a clean 5xx, the log the cause
             logger.exception("router call for %s failed", request.request_id)
             self._unit_failed()
-            yield GenerateChunk(error=EngineError(503, "server_error", "engine_failed",
-                                                  "the serving unit failed; retry", 1.0))
+            yield GenerateChunk(error=EngineError.unavailable("engine_failed", "the serving unit failed; retry", 1.0))
         finally:
             if not finished:
                 response.cancel()  # type: ignore[no-untyped-call]  # disconnect, stop string, timeout or failure: abort in the router
@@ -274,8 +272,6 @@ class HandleEngineClient:
             response = self._router.health.remote()
             try:
                 healthy = bool(await asyncio.wait_for(response, self.PROBE_TIMEOUT_S))
-            except asyncio.CancelledError:
-                raise
             except Exception:  # timed out (no replica to take it) or the replica failed
                 response.cancel()
                 healthy = False

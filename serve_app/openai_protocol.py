@@ -30,7 +30,14 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from serve_app.openai_validation import MAX_STOP_STRINGS, check_content, check_prompt, check_role, check_stop
+from serve_app.openai_validation import (
+    MAX_STOP_STRINGS,
+    check_content,
+    check_prompt,
+    check_role,
+    check_stop,
+    is_json_integer,
+)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20  # SamplingParams' bound; OpenAI's own limit is 20 for top_logprobs
@@ -50,9 +57,9 @@ def _only(**schema: Any) -> dict[str, Any]:
 
 
 def _json_integer(value: Any) -> Any:
-    """JSON has one number type: 16.0 is the integer 16 (JSON Schema says so, and OpenAI's
-    clients in typed languages may send it). Anything else (16.5, "16", true) stays an error."""
-    if type(value) is float and value.is_integer() and INT64_MIN <= value <= INT64_MAX:
+    """An integral float as the int it is (`is_json_integer`); anything else is left for the
+    strict int check to refuse (a float past int64 too: it cannot be an exact integer here)."""
+    if type(value) is float and is_json_integer(value) and INT64_MIN <= value <= INT64_MAX:
         return int(value)
     return value
 

@@ -34,8 +34,9 @@ def _text(value: str, what: str) -> str:
     return value
 
 
-def _is_token_id(value: Any) -> bool:
-    # bool is an int subclass and is not a token id; 5.0 is the JSON integer 5
+def is_json_integer(value: Any) -> bool:
+    """JSON has one number type: 16.0 is the integer 16 (JSON Schema says so, and clients in
+    typed languages may send it); 16.5, "16" and true (bool is an int subclass) are not."""
     return type(value) is int or (type(value) is float and value.is_integer())
 
 
@@ -54,7 +55,7 @@ def check_prompt(value: Any) -> Any:
         raise _error("invalid_type", shape)
     if not value:
         raise _error("invalid_value", "prompt must not be empty")
-    if all(_is_token_id(t) for t in value):
+    if all(is_json_integer(t) for t in value):
         return _ids(value)
     if all(isinstance(p, str) for p in value) or all(isinstance(p, list) for p in value):
         if len(value) != 1:
@@ -64,7 +65,7 @@ def check_prompt(value: Any) -> Any:
         if not inner:
             raise _error("invalid_value", "prompt must not be empty")
         if isinstance(inner, list):
-            if not all(_is_token_id(t) for t in inner):
+            if not all(is_json_integer(t) for t in inner):
                 raise _error("invalid_type", "prompt token ids must be integers")
             return [_ids(inner)]
         _text(inner, "prompt")
