@@ -114,6 +114,12 @@ def test_executor_failure_errors_every_stream_quickly_and_marks_unhealthy() -> N
     asyncio.run(main())
 
 
+def _coalescing_loop(coalescing: StreamCoalescing, fail_at_step: int | None = None) -> EngineLoop:
+    """A unit of 4 ms steps under the `continuous` preset, streaming by `coalescing`."""
+    return EngineLoop(Scheduler(preset("continuous", CFG)), AsyncFake(step_s=0.004, fail_at_step=fail_at_step),
+                      coalescing=coalescing)
+
+
 async def _timed(loop: EngineLoop, req: GenerateRequest) -> list[tuple[float, GenerateChunk]]:
     return [(time.monotonic(), c) async for c in loop.generate(req)]
 
@@ -122,8 +128,7 @@ def test_coalescing_holds_tokens_between_chunks_but_never_the_first() -> None:
     interval = 0.03
 
     async def main() -> None:
-        loop = EngineLoop(Scheduler(preset("continuous", CFG)), AsyncFake(step_s=0.004),
-                          coalescing=StreamCoalescing(interval, min_streams=2))
+        loop = _coalescing_loop(StreamCoalescing(interval, min_streams=2))
         a, b = await asyncio.gather(_timed(loop, gen("a", 8, 40)), _timed(loop, gen("b", 8, 40)))
         for timed in (a, b):
             chunks = [c for _, c in timed]
@@ -143,8 +148,7 @@ def test_coalescing_holds_tokens_between_chunks_but_never_the_first() -> None:
 
 def test_a_quiet_unit_sends_every_token_as_it_is_made() -> None:
     async def main() -> None:
-        loop = EngineLoop(Scheduler(preset("continuous", CFG)), AsyncFake(step_s=0.004),
-                          coalescing=StreamCoalescing(1.0, min_streams=2))
+        loop = _coalescing_loop(StreamCoalescing(1.0, min_streams=2))
         chunks = await asyncio.wait_for(collect(loop, gen("alone", 8, 12)), 10)
         assert [len(c.token_ids) for c in chunks] == [1] * 12  # one open stream < min_streams
         await loop.stop()
@@ -156,13 +160,12 @@ def test_the_end_and_an_error_are_never_held() -> None:
     async def main() -> None:
         # With a 30 s interval, a held chunk would only go out after 30 s: the end must wake it.
         slow = StreamCoalescing(30.0, min_streams=1)
-        loop = EngineLoop(Scheduler(preset("continuous", CFG)), AsyncFake(step_s=0.004), coalescing=slow)
+        loop = _coalescing_loop(slow)
         chunks = await asyncio.wait_for(collect(loop, gen("short", 8, 6)), 10)
         assert [len(c.token_ids) for c in chunks] == [1, 5] and chunks[-1].finish_reason == "length"
         await loop.stop()
 
-        failing = EngineLoop(Scheduler(preset("continuous", CFG)), AsyncFake(step_s=0.004, fail_at_step=5),
-                             coalescing=slow)
+        failing = _coalescing_loop(slow, fail_at_step=5)
         chunks = await asyncio.wait_for(collect(failing, gen("doomed", 8, 50)), 10)
         assert chunks[0].token_ids == [42] and chunks[-1].error is not None and chunks[-1].error.status == 503
         assert not failing.sched.has_unfinished
@@ -173,8 +176,7 @@ def test_the_end_and_an_error_are_never_held() -> None:
 
 def test_a_client_leaving_during_a_hold_aborts_its_request() -> None:
     async def main() -> None:
-        loop = EngineLoop(Scheduler(preset("continuous", CFG)), AsyncFake(step_s=0.004),
-                          coalescing=StreamCoalescing(30.0, min_streams=1))
+        loop = _coalescing_loop(StreamCoalescing(30.0, min_streams=1))
         stream = loop.generate(gen("leaver", 8, 200))
         assert (await stream.__anext__()).token_ids == [42]
         pending = asyncio.ensure_future(stream.__anext__())  # held: the interval is 30 s
