@@ -39,10 +39,10 @@ prometheus:
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy serve_app/core
+	$(VENV)/bin/mypy tidal_core
 
 unit: setup
-	$(PY) -m pytest -q tests/unit tests/sim
+	$(PY) -m pytest -q --ignore=tests/integration --ignore=tests/gpu tests
 
 test: setup model prometheus lint
 	$(PY) -m pytest -q -m "not slow and not gpu" tests

@@ -8,11 +8,11 @@ import sys
 
 COMMAND_MODULES = (
     "serve_app.cli",             # bench
-    "actors.cost_model_fit",     # fit-cost-model
+    "calibration.fit",     # fit-cost-model
     "actors.generate",           # generate
     "actors.profiler",           # profile
     "loadgen.cli",               # simulate, study, replay, compare
-    "serve_app.ops.cli",         # k8s, dashboards
+    "ops.cli",         # k8s, dashboards
 )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from actors.worker_setup import EngineInfo, EngineSpec, build_local_runner
-from serve_app.core.plan import StepPlan, StepResult
+from tidal_core.plan import StepPlan, StepResult
 
 
 class Executor(Protocol):

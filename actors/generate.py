@@ -25,7 +25,7 @@ def _run(args: argparse.Namespace) -> int:
     from actors.llm_engine import LLMEngine, scheduler_config
     from actors.model_loader import load_tokenizer
     from actors.worker_setup import EngineSpec
-    from serve_app.core import SamplingParams
+    from tidal_core import SamplingParams
 
     spec = EngineSpec(model=args.model, tp=args.tp, max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb,
                       device=args.device, seed=args.seed)

@@ -23,7 +23,7 @@ class RequestState:
     token_ids: list[int]
     num_computed: int
     block_table: list[int]
-    sampling: Any  # serve_app.core.SamplingParams (duck-typed: see actors/sampler.py)
+    sampling: Any  # tidal_core.SamplingParams (duck-typed: see actors/sampler.py)
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """The engine step: apply a StepPlan's diffs, run the model once, sample, return a StepResult.
 
 Owns: `ModelRunner`, the per-request state of one worker (token ids, computed count, block
-table, sampling params) and the contract with the core scheduler (serve_app/core/plan.py):
+table, sampling params) and the contract with the core scheduler (tidal_core/plan.py):
 finished ids are dropped first, new requests introduced, block tables extended, then every
 scheduled token is computed in one flattened forward; a token is sampled for each request
 whose scheduled tokens reach the end of its known tokens, and appended to its state (the
@@ -24,7 +24,7 @@ from actors.input_batch import RequestState, StepInputs, add_flash_metadata, bui
 from actors.models import LlamaForCausalLM
 from actors.models.attention import HAVE_FLASH_ATTN
 from actors.sampler import Sampler
-from serve_app.core.plan import StepPlan, StepResult
+from tidal_core.plan import StepPlan, StepResult
 
 
 class ModelRunner:

@@ -2,7 +2,7 @@
 
 Owns: the model shape presets (real architectures, random weights: nothing is downloaded),
 the profiling run and the fit, written as a cost-model YAML in the format of
-configs/costmodels/*.yaml. The fit reuses actors/cost_model_fit.py: its roofline and
+calibration/costmodels/*.yaml. The fit reuses calibration/fit.py: its roofline and
 relative-error least squares for the device shape, and its end-to-end stage for the host
 terms, on whole engine steps measured here instead of SplitwiseSim's.
 
@@ -56,7 +56,7 @@ def _device_coefficients(linear: list[tuple[int, float]], prefill: list[tuple[in
                          decode: list[tuple[int, int, float]], layers: int) -> dict[str, float]:
     import numpy as np
 
-    from actors.cost_model_lsq import fit_linear_rel, fit_roofline
+    from calibration.lsq import fit_linear_rel, fit_roofline
 
     floor, slope, p, _ = fit_roofline(linear)
     pre, _ = fit_linear_rel(np.array([[1.0, n * (c + n / 2), n] for n, c, _ in prefill]),
@@ -70,11 +70,11 @@ def _device_coefficients(linear: list[tuple[int, float]], prefill: list[tuple[in
 
 def profile(model: str, gpu: str, tp: int = 1, layers: int | None = None, device: str = "auto", quick: bool = True,
             threads: int | None = None) -> Any:
-    """Run the sweeps and fit; returns an `actors.cost_model.CostModel`."""
-    from actors import cost_model_fit as fit
-    from actors.cost_model import CostCoefficients, CostModel
-    from actors.cost_model_data import MeasuredPoint
+    """Run the sweeps and fit; returns an `calibration.cost_model.CostModel`."""
     from actors.profiler_sweeps import FULL, QUICK, attention_rows, linear_curve, step_points
+    from calibration import fit
+    from calibration.cost_model import CostCoefficients, CostModel
+    from calibration.measured import MeasuredPoint
 
     cfg = dict(PRESETS[model])
     real_layers = cfg["num_hidden_layers"]
@@ -98,8 +98,8 @@ def profile(model: str, gpu: str, tp: int = 1, layers: int | None = None, device
     description = (f"{model} (random weights of the real shapes) at TP{tp} shard on {gpu}, measured by `tidal profile`"
                    f" ({'quick' if quick else 'full'} sweep, {measured_layers} of {real_layers} layers measured)")
     sources = [{"figures": ["all"], "file": "measured by actors/profiler.py", "origin": f"tidal profile on {gpu}",
-                "method": "device shape: roofline + relative least squares (actors/cost_model_lsq.py); host terms: "
-                          "actors/cost_model_fit.end_to_end_stage on whole engine steps; every other step held out"}]
+                "method": "device shape: roofline + relative least squares (calibration/lsq.py); host terms: "
+                          "calibration/fit.end_to_end_stage on whole engine steps; every other step held out"}]
     final = CostModel(name, gpu, model, tp, CostCoefficients.from_dict(
         {k: (v if k == "num_layers" else float(f"{v:.6g}")) for k, v in coeffs.items()}),
         description=description, sources=sources)

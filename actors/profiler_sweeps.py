@@ -20,8 +20,8 @@ import torch
 
 from actors.model_runner import ModelRunner
 from actors.models.attention import AttentionMetadata, PrefillSpan, paged_attention
-from serve_app.core import SamplingParams
-from serve_app.core.plan import NewRequestData, StepPlan
+from tidal_core import SamplingParams
+from tidal_core.plan import NewRequestData, StepPlan
 
 _GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
 
@@ -154,7 +154,7 @@ def step_points(runner: ModelRunner, sweep: Sweep, vocab: int) -> list[tuple[str
 
         rows.append(("prefill", prompt, 1, timed(run, sweep.repeats, runner.device)))
     # Decodes at the context the cost model's decode points assume: prompt + half the outputs.
-    from actors.cost_model_data import DECODE_OUTPUT_TOKENS
+    from calibration.measured import DECODE_OUTPUT_TOKENS
 
     context = sweep.decode_prompt + DECODE_OUTPUT_TOKENS // 2
     for batch in sweep.decode_batches:

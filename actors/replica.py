@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.tp_worker import TPWorker
 from actors.worker_setup import EngineInfo, EngineSpec
-from serve_app.core.plan import StepPlan, StepResult
+from tidal_core.plan import StepPlan, StepResult
 
 
 class WorkerFailure(RuntimeError):
@@ -80,8 +80,8 @@ class ReplicaGroup:
         the gap between Serve and the simulator). `include_host_time=False` sleeps only the
         device time, for a router whose loop stands in for the engine's host work.
         """
-        from actors.cost_model import CostModel
-        from actors.sim_executor import SimExecutor
+        from calibration.cost_model import CostModel
+        from calibration.sim_executor import SimExecutor
 
         model = cost_model if isinstance(cost_model, CostModel) else CostModel.load(cost_model)
         sim = SimExecutor(model if include_host_time else model.device_only(), eos_token_id=eos_token_id,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from actors.model_runner import ModelRunner
 from actors.models import TPContext
 from actors.worker_setup import EngineInfo, EngineSpec, WorkerBuilder
-from serve_app.core.plan import StepPlan, StepResult
+from tidal_core.plan import StepPlan, StepResult
 
 
 class TPWorker:

@@ -25,7 +25,7 @@ from typing import Any
 
 import ray
 
-from serve_app.core.plan import StepPlan, StepResult
+from tidal_core.plan import StepPlan, StepResult
 
 
 class NoopWorker:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.cost_model import CostModel
+from calibration.cost_model import CostModel
 
 ROOT = Path(__file__).resolve().parents[1]
 HARDWARE = {"Nvidia A100 GPU": "a100", "Nvidia H100 GPU": "h100"}

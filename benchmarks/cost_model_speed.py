@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.cost_model import CostModel
-from actors.sim_executor import SimExecutor
-from serve_app.core.plan import StepPlan
+from calibration.cost_model import CostModel
+from calibration.sim_executor import SimExecutor
+from tidal_core.plan import StepPlan
 
 
 def decode_plan(step: int, n: int, padded: int | None) -> StepPlan:

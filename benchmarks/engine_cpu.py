@@ -57,7 +57,7 @@ def run_ours(w: Workload, batch: int, budget: int, threads: int) -> dict[str, An
     from actors.executor import LocalExecutor
     from actors.llm_engine import LLMEngine, scheduler_config
     from actors.worker_setup import EngineSpec
-    from serve_app.core import SamplingParams
+    from tidal_core import SamplingParams
 
     ex = LocalExecutor(EngineSpec(max_model_len=1024, kv_cache_gb=1.0, torch_threads=threads))
     cfg = scheduler_config(ex.info, "continuous", max_batch_size=batch, max_num_batched_tokens=budget)

@@ -1,10 +1,10 @@
-"""Faults, the recorded version (issue 8, item 2): kill a TP worker, then a Router replica, mid-stream.
+"""Faults, the recorded version (issue 8, item 2): kill a TP worker, then a ServingUnit replica, mid-stream.
 
 A Ray cluster of this script's own runs configs/local.yaml (SmolLM2 on CPU, one TP worker) at `/`
 and configs/sim.yaml at `/sim`, as the integration tests do. `--repeat` times each: four long
 streams running (each past its first token), then (a) the local unit's TP worker is killed (by
 name `tidal-tp-<unit>-r0` once workers are named, else SIGKILL to its process) and (b) the sim
-app's Router replica is killed with `ray.kill`. A streamed request goes out every 0.5 s from the
+app's ServingUnit replica is killed with `ray.kill`. A streamed request goes out every 0.5 s from the
 kill until a new unit serves (each leaves after its first token).
 
 Reported per run: how each in-flight stream ended and how long after the kill; when the new unit

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/fleet_settings.py [--start-units 2] [--setting JSON ...]
 
 The fleet part of `tidal study` (docs/day-in-the-life.md §4) runs one setting, the defaults of
-`serve_app.core.AutoscaleConfig`. This runs several side by side on the same trace (the sharp
+`tidal_core.AutoscaleConfig`. This runs several side by side on the same trace (the sharp
 day peaking at three units' measured capacity, seed 0, adaptive policy in every unit, A100
 Llama-70B TP8 cost model) so the choice of defaults can be checked or redone. Each setting is a
 JSON object of `AutoscaleConfig` fields; a run takes about five minutes on one core.
@@ -18,11 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.cost_model import CostModel
+from calibration.cost_model import CostModel
 from loadgen.report import Slo
 from loadgen.sim.runner import RunSpec, run_policy, unit_config
 from loadgen.sim.study import day_trace
-from serve_app.core import AutoscaleConfig
+from tidal_core import AutoscaleConfig
 
 DEFAULT_SETTINGS = (  # the defaults, then the smoothing and target load around them
     "{}",

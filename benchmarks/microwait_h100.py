@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.cost_model import CostModel
+from calibration.cost_model import CostModel
 from loadgen.arrivals import gamma_arrival_times
 from loadgen.ratecurve import RateCurve
 from loadgen.records import Trace

@@ -71,7 +71,7 @@ def run_policy(base: str, policy: str, args: argparse.Namespace, out: Path) -> d
     url = f"{base}/{policy}"
     trace = azure_trace(args.rate, args.duration, seed=args.seed)
     meter = CpuMeter({"proxy": [a["pid"] for a in alive_actors("ProxyActor")],
-                      "ingress": replica_pids(policy, "Ingress"), "router": replica_pids(policy, "Router")})
+                      "ingress": replica_pids(policy, "Ingress"), "router": replica_pids(policy, "ServingUnit")})
     meter.start()
     run = asyncio.run(run_load(url, policy, trace, out / policy, probe=Probe(), drain_timeout_s=args.drain))
     cpu = meter.stop()

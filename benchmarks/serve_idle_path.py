@@ -22,8 +22,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from actors.cost_model import CostModel  # noqa: E402
 from actors.model_loader import load_tokenizer, prepare  # noqa: E402
+from calibration.cost_model import CostModel  # noqa: E402
 from tests.integration.reliability.cluster import app_from_config, serve_cluster  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"

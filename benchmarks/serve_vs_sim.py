@@ -32,8 +32,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from actors.cost_model import CostModel  # noqa: E402
-from actors.unit_sizing import kv_cache_blocks  # noqa: E402
+from calibration.cost_model import CostModel  # noqa: E402
+from calibration.unit_sizing import kv_cache_blocks  # noqa: E402
 from loadgen.client import ClientConfig  # noqa: E402
 from loadgen.records import Trace  # noqa: E402
 from loadgen.replay import ReplayConfig, replay  # noqa: E402

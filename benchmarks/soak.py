@@ -1,7 +1,7 @@
 """Soak, the 10-minute version (issue 8, item 5): a compressed tidal day against the simulated unit.
 
 A Ray cluster of this script's own runs configs/sim.yaml. After a 20 s warm-up (first-use
-allocations are not a leak) and a drain, the Router and Ingress replicas' RSS is taken; then the
+allocations are not a leak) and a drain, the ServingUnit and Ingress replicas' RSS is taken; then the
 sharp tidal day (docs/traces.md) compressed into `--duration` seconds, peaking at `--peak-load` x
 the unit's capacity, is replayed open loop with `tidal replay`'s machinery while `/health`,
 `unit_state(check=True)` and the replicas' RSS are sampled. Then the unit is drained and the RSS

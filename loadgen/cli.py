@@ -3,7 +3,7 @@
 Owns: the argument parsing of replay and compare and `register(subparsers)`, which `tidal_cli`
 calls. The heavy modules (httpx, matplotlib, the replay driver) load only when a command runs,
 so `tidal --help` stays fast. Must not import serve_app or actors; loadgen.sim.cli (which loads
-serve_app.core) is imported only inside `register`.
+tidal_core) is imported only inside `register`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def parse_duration(text: str) -> float:
 
 
 def register(sub: Any) -> None:
-    from loadgen.sim import cli as sim_cli  # here, not at the top: it loads serve_app.core
+    from loadgen.sim import cli as sim_cli  # here, not at the top: it loads tidal_core
 
     _register_replay(sub)
     _register_compare(sub)

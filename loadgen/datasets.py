@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# loadgen/ sits beside data/ at the repository root.
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+from tidal_data import data_dir
+
+# The installed data folder (a source checkout's data/, or $TIDAL_DATA_DIR).
+DATA_DIR = data_dir()
 
 # Real per-request traces shipped in data/, by short name.
 TRACE_FILES: dict[str, str] = {
@@ -38,7 +40,8 @@ def data_path(relative: str, data_dir: Path | str | None = None) -> Path:
     """A file under the data folder; a clear error when the copy is missing."""
     path = Path(data_dir if data_dir is not None else DATA_DIR) / relative
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: the repository's data/ folder ships it (see data/README.md)")
+        raise FileNotFoundError(f"{path} is missing: the repository's data/ folder ships it (see data/README.md); "
+                                "set TIDAL_DATA_DIR to use another copy")
     return path
 
 

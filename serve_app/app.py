@@ -1,6 +1,6 @@
 """The Serve application: `serve run configs/prod.yaml` calls `build_app(args)`.
 
-Owns: turning a config's `args:` block into the deployment graph Ingress -> Router. Deployment
+Owns: turning a config's `args:` block into the deployment graph Ingress -> ServingUnit. Deployment
 options set here are sane defaults for an LLM server (Serve's own defaults of
 `max_ongoing_requests=5` and one CPU per replica are wrong for it); a config's `deployments:`
 section overrides them by name.
@@ -14,9 +14,9 @@ from ray.serve import Application
 
 from serve_app.config_loader import load_app_args
 from serve_app.ingress import Ingress
-from serve_app.router import Router
+from serve_app.unit import ServingUnit
 
-ROUTER_DEFAULTS: dict[str, Any] = {
+UNIT_DEFAULTS: dict[str, Any] = {
     "max_ongoing_requests": 2048,  # every streaming request holds a slot while it queues in the scheduler
     "health_check_period_s": 2.0,
     "health_check_timeout_s": 30.0,
@@ -32,5 +32,5 @@ INGRESS_DEFAULTS: dict[str, Any] = {
 def build_app(args: dict[str, Any] | None = None) -> Application:
     app_args = load_app_args(args)
     plain = app_args.model_dump(mode="json")
-    router = Router.options(**ROUTER_DEFAULTS).bind(plain)
-    return Ingress.options(**INGRESS_DEFAULTS).bind(router, plain)
+    unit = ServingUnit.options(**UNIT_DEFAULTS).bind(plain)
+    return Ingress.options(**INGRESS_DEFAULTS).bind(unit, plain)

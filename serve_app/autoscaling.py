@@ -2,9 +2,9 @@
 
 Owns: `TidalAutoscalingPolicy`, a class-callable for `autoscaling_config.policy` (Serve
 instantiates it once in the controller with `policy_kwargs`, then calls it about every 0.1 s
-with an `AutoscalingContext`). Each Router replica reports `record_autoscaling_stats` (load,
+with an `AutoscalingContext`). Each ServingUnit replica reports `record_autoscaling_stats` (load,
 capacity, queue delay, KV usage, regime); this adapter turns them into `UnitLoad`s and calls
-`serve_app.core.decide`. The unit bounds are Serve's own `min_replicas`/`max_replicas`
+`tidal_core.decide`. The unit bounds are Serve's own `min_replicas`/`max_replicas`
 (capacity-adjusted), so they live in one place: the deployment's `autoscaling_config`.
 """
 
@@ -14,8 +14,8 @@ import dataclasses
 import time
 from typing import Any
 
-from serve_app.core import AutoscaleConfig, AutoscaleObservation, AutoscaleState, decide
 from serve_app.request_router import unit_load_from_stats
+from tidal_core import AutoscaleConfig, AutoscaleObservation, AutoscaleState, decide
 
 STAT_KEYS = ("num_running", "num_waiting", "queue_delay_s", "kv_usage", "load", "capacity_rps", "regime")
 

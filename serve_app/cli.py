@@ -24,7 +24,7 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from serve_app.bench import register as register_bench
+    from loadgen.sim.bench import register as register_bench
 
     register_bench(sub)
     p = sub.add_parser("check-config", help="strictly validate Serve config files (unknown keys, bounds, args)")

@@ -20,7 +20,7 @@ from serve_app.config_loader import AppArgs
 
 RAY_ACTOR_OPTION_KEYS = {"num_cpus", "num_gpus", "memory", "object_store_memory", "resources", "runtime_env",
                          "accelerator_type", "label_selector", "fallback_strategy"}
-EXPECTED_DEPLOYMENTS = {"Ingress", "Router"}
+EXPECTED_DEPLOYMENTS = {"Ingress", "ServingUnit"}
 
 
 def _model_of(annotation: Any) -> type[BaseModel] | None:
@@ -74,7 +74,7 @@ def _check_deployment(app_name: str, dep: dict[str, Any], tp: int | None) -> lis
             errors.append(f"{where}.autoscaling_config: need min_replicas <= initial_replicas <= max_replicas, "
                           f"got {lo} <= {init} <= {hi}")
     bundles = dep.get("placement_group_bundles")
-    if bundles and dep.get("name") == "Router" and tp:
+    if bundles and dep.get("name") == "ServingUnit" and tp:
         gpu_bundles = sum(1 for b in bundles if b.get("GPU", 0) > 0)
         if gpu_bundles and gpu_bundles != tp:
             errors.append(f"{where}.placement_group_bundles: {gpu_bundles} GPU bundles but engine.tp={tp}")

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serve_app.core import POLICIES, SchedulerConfig, preset
-from serve_app.core.config import ServicePrior
+from tidal_core import POLICIES, SchedulerConfig, preset
+from tidal_core.config import ServicePrior
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -38,7 +38,7 @@ class EngineArgs(_Strict):
     enforce_eager: bool = Field(False, description="GPU: do not capture CUDA graphs")
     compiled_graph: bool = Field(False, description="drive TP workers through a Ray Compiled Graph")
     step_timeout_s: float = Field(60.0, gt=0, description="a step slower than this means a dead worker")
-    cost_model: str | None = Field(None, description="sim backend: configs/costmodels name or YAML path")
+    cost_model: str | None = Field(None, description="sim backend: calibration/costmodels name or YAML path")
     sim_num_kv_blocks: int | None = Field(None, ge=1, description="sim backend: KV pool (default from the model)")
 
     @model_validator(mode="after")

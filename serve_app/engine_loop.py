@@ -3,8 +3,8 @@
 Owns: `EngineLoop` — per-request token streams (coalesced when the unit is busy:
 `StreamCoalescing`; arrival taken from the ingress's clock), the step loop (schedule -> execute ->
 on_step_done -> fan tokens out), micro-wait sleeps, abort on cancellation, and failure
-handling. It makes no policy decision (serve_app/core does) and knows nothing of Serve:
-the Router deployment (serve_app/router.py) wraps it, and tests drive it with a fake executor.
+handling. It makes no policy decision (tidal_core does) and knows nothing of Serve:
+the ServingUnit deployment (serve_app/unit.py) wraps it, and tests drive it with a fake executor.
 
 Failure: if the executor raises (a TP worker died or stalled: `WorkerFailure`), every
 in-flight request receives an `EngineError` (503, `engine_failed`) at once, the loop stops,
@@ -22,8 +22,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from serve_app.core import Idle, Request, Run, Scheduler, StepPlan, StepResult, WaitUntil
-from serve_app.engine_api import UNIT_REPLACED, EngineError, GenerateChunk, GenerateRequest
+from serve_app.unit_api import UNIT_REPLACED, EngineError, GenerateChunk, GenerateRequest
+from tidal_core import Idle, Request, Run, Scheduler, StepPlan, StepResult, WaitUntil
 
 log = logging.getLogger("tidalserve.engine")
 

@@ -35,10 +35,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from serve_app.engine_api import UNIT_REPLACED, EngineError, GenerateChunk, GenerateRequest, ModelInfo
-from serve_app.http_limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, error_response
-from serve_app.openai_errors import OpenAIError, server_error, unavailable
-from serve_app.openai_protocol import (
+from serve_app.openai.errors import OpenAIError, server_error, unavailable
+from serve_app.openai.http_limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, error_response
+from serve_app.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -47,8 +46,9 @@ from serve_app.openai_protocol import (
     HealthResponse,
     ModelList,
 )
-from serve_app.openai_server import EventStream, OpenAIServer
-from serve_app.openai_validation import format_validation_errors
+from serve_app.openai.server import EventStream, OpenAIServer
+from serve_app.openai.validation import format_validation_errors
+from serve_app.unit_api import UNIT_REPLACED, EngineError, GenerateChunk, GenerateRequest, ModelInfo
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -208,7 +208,7 @@ class HandleEngineClient:
 
     After a unit fails (its router answers `engine_failed`, or the call dies with the actor),
     new requests get 503 + Retry-After at once until a health probe, bounded in time, says a unit
-    serves again: Serve's handle would otherwise hold them, while no Router replica exists,
+    serves again: Serve's handle would otherwise hold them, while no ServingUnit replica exists,
     until the rebuilt one is up (a model load: minutes for a 70B). With several units the
     probe reaches a healthy one within a period and traffic resumes on it.
     """
@@ -239,7 +239,7 @@ class HandleEngineClient:
                 yield chunk
             finished = True
         except BackPressureError as err:  # the router's max_queued_requests is full
-            # Status and Retry-After come from the Router's `backpressure_config` (Serve's default is 503).
+            # Status and Retry-After come from the ServingUnit's `backpressure_config` (Serve's default is 503).
             status = 429 if getattr(err, "status_code", 503) == 429 else 503
             kind = "rate_limit_error" if status == 429 else "server_error"
             yield GenerateChunk(error=EngineError(status, kind, "router_queue_full", str(err),

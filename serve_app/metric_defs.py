@@ -1,7 +1,7 @@
 """Every metric tidalserve exports: the one source of truth for names, types, labels, buckets.
 
 serve_app/metrics.py creates `ray.util.metrics` objects from these definitions; the Grafana
-dashboards and Prometheus alert rules (serve_app/ops/) build their PromQL from them, so a name
+dashboards and Prometheus alert rules (ops/) build their PromQL from them, so a name
 is never typed twice. Ray exports a metric named `tidal_x` to Prometheus as `ray_tidal_x`
 (counters gain `_total`; histograms `_bucket`, `_sum`, `_count`): `prom_name` gives that.
 

@@ -14,8 +14,8 @@ from typing import Any
 from ray.util import metrics as ray_metrics
 
 from serve_app import metric_defs as M
-from serve_app.core import Request, Scheduler, StepPlan
-from serve_app.core.regime import REGIME_LEVEL
+from tidal_core import Request, Scheduler, StepPlan
+from tidal_core.regime import REGIME_LEVEL
 
 
 def _make(defn: M.MetricDef) -> Any:

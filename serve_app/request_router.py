@@ -2,8 +2,8 @@
 
 Owns: `TidalRequestRouter`, a `ray.serve` `RequestRouter` (alpha API in Ray 2.60) that runs in
 the caller's process (the ingress replicas). Each unit reports its load through
-`Router.record_routing_stats` (queue delay, KV usage, running/waiting, load, capacity, regime);
-this class turns the reports into `UnitLoad`s and asks `serve_app.core.choose_unit`. A unit
+`ServingUnit.record_routing_stats` (queue delay, KV usage, running/waiting, load, capacity, regime);
+this class turns the reports into `UnitLoad`s and asks `tidal_core.choose_unit`. A unit
 that has not reported yet counts as empty. The chosen unit is ranked first, the rest follow
 (Serve falls back to them if the first refuses).
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from serve_app.core import UnitLoad, choose_unit
-from serve_app.core.regime import Regime
+from tidal_core import UnitLoad, choose_unit
+from tidal_core.regime import Regime
 
 _REGIME_NAMES = {0: Regime.LIGHT.value, 1: Regime.STEADY.value, 2: Regime.OVERLOAD.value}
 

@@ -6,7 +6,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from serve_app.core import Idle, Run, Scheduler, StepOutputs, StepPlan, StepResult, WaitUntil
+from tidal_core import Idle, Run, Scheduler, StepOutputs, StepPlan, StepResult, WaitUntil
 
 
 class FakeExecutor:

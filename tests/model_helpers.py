@@ -19,7 +19,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from actors.executor import LocalExecutor
 from actors.llm_engine import LLMEngine, scheduler_config
 from actors.worker_setup import EngineSpec
-from serve_app.core import SamplingParams
+from tidal_core import SamplingParams
 
 # GQA (8 query heads over 2 KV heads) and Llama-3.1 RoPE scaling, small enough for milliseconds.
 TINY_LLAMA3: dict[str, Any] = dict(

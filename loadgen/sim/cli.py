@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from serve_app.core import POLICIES, AutoscaleConfig
+from tidal_core import POLICIES, AutoscaleConfig
 
 
 def _trace_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -27,7 +27,7 @@ def _trace_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from actors.cost_model import CostModel
+    from calibration.cost_model import CostModel
     from loadgen.report import Slo
     from loadgen.sim.runner import RunSpec, run_policy, summary_markdown, unit_config, write_run
     from loadgen.sim.study import day_trace
@@ -54,7 +54,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cost-model", default="a100-llama70b-tp8", help="name under configs/costmodels or a YAML path")
+    p.add_argument("--cost-model", default="a100-llama70b-tp8", help="name under calibration/costmodels or a YAML path")
     p.add_argument("--max-batch-size", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=8192)

@@ -3,7 +3,7 @@
 Owns: `Fleet` — which units exist, which are provisioning (a new unit serves only after
 `provisioning_s`, the time to get GPU nodes and load weights), which are draining (no new
 requests; retired once empty), and their GPU-time intervals. Routing calls
-`serve_app.core.choose_unit`; scaling calls `serve_app.core.decide`: no policy code here.
+`tidal_core.choose_unit`; scaling calls `tidal_core.decide`: no policy code here.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from serve_app.core import AutoscaleObservation, AutoscaleState, UnitLoad, choose_unit, decide
+from tidal_core import AutoscaleObservation, AutoscaleState, UnitLoad, choose_unit, decide
 
 if TYPE_CHECKING:
-    from loadgen.sim.engine import SimConfig, Unit
+    from loadgen.sim.simulation import SimConfig, Unit
 
 
 def unit_load(unit: Unit, now: float) -> UnitLoad:

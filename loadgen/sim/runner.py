@@ -19,14 +19,14 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from actors.cost_model import CostModel
-from actors.sim_executor import SimExecutor
-from actors.unit_sizing import kv_cache_blocks
+from calibration.cost_model import CostModel
+from calibration.sim_executor import SimExecutor
+from calibration.unit_sizing import kv_cache_blocks
 from loadgen import plots
 from loadgen.records import Trace
 from loadgen.report import STATUS_NAMES, RunOutcomes, Slo, markdown_table, per_hour, summarize, write_json
-from loadgen.sim.engine import SimConfig, SimRun, simulate
-from serve_app.core import AutoscaleConfig, SchedulerConfig, preset
+from loadgen.sim.simulation import SimConfig, SimRun, simulate
+from tidal_core import AutoscaleConfig, SchedulerConfig, preset
 
 
 def unit_config(cost_model: CostModel, *, max_batch_size: int = 128, max_num_batched_tokens: int = 2048,

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.cost_model import CostModel
+from calibration.cost_model import CostModel
 from loadgen import plots
 from loadgen.arrivals import gamma_arrival_times, rate_for_peak_load, servegen_day_curve, sharp_day_curve
 from loadgen.lengths import sample_length_arrays
@@ -35,7 +35,7 @@ from loadgen.sim.runner import (
     write_run,
 )
 from loadgen.traces import DEFAULT_DAY_CV
-from serve_app.core import POLICIES, AutoscaleConfig, SchedulerConfig
+from tidal_core import POLICIES, AutoscaleConfig, SchedulerConfig
 
 SWEEP_LOADS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)
 

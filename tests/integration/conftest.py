@@ -102,8 +102,8 @@ def sim_server_url(serve_cluster: ServeCluster) -> str:
 
 
 def unit_state(app: str, check: bool = True) -> dict:
-    """The Router's own view (and integrity check) of its serving unit."""
+    """The ServingUnit's own view (and integrity check) of its serving unit."""
     from ray import serve
 
-    handle = serve.get_deployment_handle("Router", app_name=app)
+    handle = serve.get_deployment_handle("ServingUnit", app_name=app)
     return handle.unit_state.remote(check).result(timeout_s=30)

@@ -25,9 +25,9 @@ import httpx
 import pytest
 import yaml
 
-from serve_app.ops import alerts, dashboards, promql
-from serve_app.ops.grafana_panels import expressions
-from serve_app.ops.targets import load_targets
+from ops import alerts, dashboards, promql
+from ops.grafana_panels import expressions
+from ops.targets import load_targets
 from tests.integration.conftest import ROOT, ServeCluster, free_port, unit_state
 
 pytestmark = pytest.mark.ray

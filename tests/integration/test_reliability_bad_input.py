@@ -4,7 +4,7 @@ Every case must end with a clear answer: 200 where the input is valid (unknown f
 ignored, as OpenAI does), otherwise a 4xx in OpenAI's error shape that names the problem. Never a
 5xx, a dropped connection or a hang (each request has a 60 s client timeout), and after the whole
 matrix the ingress and the unit are healthy and serve. The generated (schemathesis) cases run
-in-process in tests/unit/test_bad_input_schema.py; this matrix is what a fuzzer does not reach:
+in-process in tests/serve_app/test_bad_input_schema.py; this matrix is what a fuzzer does not reach:
 raw bytes, framing, sizes and nesting depth through the real proxy.
 """
 
@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.integration.reliability.cluster import LOCAL_MODEL, is_drained, wait_drained
-from tests.unit.test_bad_input_matrix import CASES, check_answer, request_content
+from tests.serve_app.test_bad_input_matrix import CASES, check_answer, request_content
 
 pytestmark = pytest.mark.ray
 

@@ -40,6 +40,6 @@ def test_soak_a_compressed_tidal_day_twice_leaks_nothing(sim_server_url: str, tm
         assert {r["status"] for r in run.records} <= {"ok", "rejected"}, figures["statuses"]
         assert figures["load"]["unit_state_errors"] == [] and figures["load"]["health_not_200"] == 0
         assert is_drained(state), state
-        assert set(before) == {"Router", "Ingress"} and set(after) == set(before)
+        assert set(before) == {"ServingUnit", "Ingress"} and set(after) == set(before)
         before = after
     assert all(g < 0.05 for g in figures["rss_growth"].values()), figures["rss_growth"]

@@ -1,4 +1,4 @@
-"""Faults (issue 8, item 2): a TP worker and, separately, a Router replica killed mid-stream.
+"""Faults (issue 8, item 2): a TP worker and, separately, a ServingUnit replica killed mid-stream.
 
 Each scenario runs once (module fixtures): four long streams are running (each has its first
 token) when the fault is injected; a new streamed request goes out every 0.5 s until a new unit

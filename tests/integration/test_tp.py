@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from actors.replica import ReplicaGroup, WorkerFailure
-from serve_app.core.plan import NewRequestData, Run, StepPlan
 from tests.model_helpers import (
     GREEDY,
     generate_ids,
@@ -25,6 +24,7 @@ from tests.model_helpers import (
     save_tiny_checkpoint,
     smollm2_path,
 )
+from tidal_core.plan import NewRequestData, Run, StepPlan
 
 pytestmark = pytest.mark.ray
 PROMPTS = [[1, 17, 33, 5, 9], list(range(3, 45)), [1, 200, 7]]
@@ -114,7 +114,7 @@ def test_compiled_graph_transport_matches(ray_cluster: None, tiny_path: Path) ->
 
 def test_sim_backend_sleeps_the_modelled_time() -> None:
     """No Ray needed: the simulated GPU behind the same replica interface."""
-    pytest.importorskip("actors.sim_executor", reason="the simulated executor ships with the cost model")
+    pytest.importorskip("calibration.sim_executor", reason="the simulated executor ships with the cost model")
     from actors.worker_setup import EngineSpec
 
     group = ReplicaGroup.simulated(EngineSpec(max_model_len=4096), "a100-llama70b-tp8", num_kv_blocks=1024)

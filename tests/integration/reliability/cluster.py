@@ -1,6 +1,6 @@
 """The cluster side of the reliability harness: the unit's own view, actors, processes, a cluster.
 
-Owns: `unit_state` / `wait_drained` (the Router's `unit_state(check=True)`: KV, requests, streams,
+Owns: `unit_state` / `wait_drained` (the ServingUnit's `unit_state(check=True)`: KV, requests, streams,
 integrity), Serve replica and TP worker lookup (for fault injection), replica PIDs, RSS and CPU
 (`CpuMeter`), and `serve_cluster` (Ray + Serve with chosen applications, for the benchmark
 scripts; the tests use the session fixture of tests/integration/conftest.py).
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def router_handle(app: str) -> Any:
     from ray import serve
 
-    return serve.get_deployment_handle("Router", app_name=app)
+    return serve.get_deployment_handle("ServingUnit", app_name=app)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, period_s: float = 0.25) -> bool:
@@ -63,7 +63,7 @@ def wait_drained(app: str, timeout_s: float = 60.0) -> tuple[dict[str, Any], flo
 
 def replica_actor_names(app: str, deployment: str) -> list[str]:
     """Named Serve replica actors of one deployment (namespace "serve"), e.g.
-    'SERVE_REPLICA::sim#Router#dixvijpv'; the suffix is the replica id (the unit id)."""
+    'SERVE_REPLICA::sim#ServingUnit#dixvijpv'; the suffix is the replica id (the unit id)."""
     import ray
 
     prefix = f"SERVE_REPLICA::{app}#{deployment}#"
@@ -73,7 +73,7 @@ def replica_actor_names(app: str, deployment: str) -> list[str]:
 
 def tp_worker_actor_names(unit: str | None = None) -> list[tuple[str, str]]:
     """(namespace, name) of the TP worker actors named `tidal-tp-<unit>-r<rank>`. Workers are
-    created from inside the Router replica and land in the namespace of the job that deployed the
+    created from inside the ServingUnit replica and land in the namespace of the job that deployed the
     application (not Serve's "serve"), so every namespace is searched."""
     import ray
 
@@ -148,9 +148,9 @@ class CpuMeter:
 
 
 def replicas_rss(app: str) -> dict[str, int]:
-    """RSS in bytes of the app's Router and Ingress replica processes (one replica each here)."""
+    """RSS in bytes of the app's ServingUnit and Ingress replica processes (one replica each here)."""
     out: dict[str, int] = {}
-    for deployment in ("Router", "Ingress"):
+    for deployment in ("ServingUnit", "Ingress"):
         for i, pid in enumerate(replica_pids(app, deployment)):
             out[f"{deployment}{'' if i == 0 else i}"] = rss_bytes(pid)
     return out

@@ -2,7 +2,7 @@
 
 Owns `Outcome` / `request_outcome` (how one request ended, as the client saw it: finished, cut by
 us, an SSE error event, an HTTP error with a message, or a dropped connection), `FaultRun` and
-`run_fault` (kill a TP worker or a Router replica while streams run; probe until a new unit
+`run_fault` (kill a TP worker or a ServingUnit replica while streams run; probe until a new unit
 serves), and the kill functions.
 
 Must not import torch.
@@ -173,7 +173,7 @@ def kill_tp_worker(unit: str) -> str:
 def kill_router_replica(app: str, unit: str) -> str:
     import ray
 
-    (name,) = [n for n in replica_actor_names(app, "Router") if n.endswith(f"#{unit}")]
+    (name,) = [n for n in replica_actor_names(app, "ServingUnit") if n.endswith(f"#{unit}")]
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
     return f"ray.kill({name})"
 

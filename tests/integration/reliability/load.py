@@ -38,7 +38,7 @@ def sim_capacity_rps(max_input: int = 6000, max_output: int = 1024, num_requests
     `loadgen.sim.runner.measure_capacity`). About 2.86 req/s unclipped (1157 / 213 tokens mean)."""
     import yaml
 
-    from actors.cost_model import CostModel
+    from calibration.cost_model import CostModel
     from loadgen.sim.runner import measure_capacity, unit_config
 
     (app,) = yaml.safe_load(config.read_text())["applications"]

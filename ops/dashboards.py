@@ -1,0 +1,152 @@
+"""The tidalserve Grafana dashboard, generated from serve_app/metric_defs.py and the config's SLO.
+
+Owns: `serving_dashboard(targets)` (one dashboard, six rows: traffic and regime, latency
+against the SLO, batching, KV cache and queue, admission and failures, units and autoscaling)
+and `all_dashboards`. Every series name comes from a `MetricDef` (through ops/promql.py)
+or from promql's list of Ray Serve metrics; every threshold line from `Targets` (the config).
+docs/operations.md describes each panel. Must not import ray.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ops import alerts as A
+from ops import promql as Q
+from ops.grafana_panels import Panel, Target, dashboard, datasource_variable, query_variable
+from ops.grafana_panels import stat as stat_panel
+from ops.grafana_panels import state_timeline as timeline
+from ops.grafana_panels import timeseries as ts
+from ops.targets import Targets
+from serve_app import metric_defs as M
+
+SERVING_UID = "tidalserve-serving"
+REGIME_STATES = {0: ("LIGHT", "green"), 1: ("STEADY", "blue"), 2: ("OVERLOAD", "red")}
+UNIT_LEGEND = "{{unit}}"
+
+
+def _quantiles(defn: M.MetricDef, label: str) -> list[Target]:
+    return [Target(Q.quantile(defn, 0.5), f"{label} p50"), Target(Q.quantile(defn, 0.99), f"{label} p99")]
+
+
+def _traffic(t: Targets) -> list[Panel]:
+    return [
+        ts("Requests per second", "Arrivals at the routers, completions by finish reason, and rejections.",
+           [Target(Q.counter_rate(M.ARRIVALS), "arrived"),
+            Target(Q.counter_rate(M.FINISHED, group=("reason",)), "finished {{reason}}"),
+            Target(Q.counter_rate(M.REJECTIONS), "rejected")], "reqps", width=8),
+        timeline("Regime by unit", "Each unit's traffic regime (LIGHT / STEADY / OVERLOAD), as its scheduler "
+                 "calls it (docs/scheduler.md).", [Target(Q.gauge(M.REGIME), UNIT_LEGEND)], REGIME_STATES, width=8),
+        ts("Load by unit", "Utilisation: arrival rate over the unit's measured capacity (1 = at capacity). Dashed: "
+           "the LIGHT and OVERLOAD entry marks.", [Target(Q.gauge(M.LOAD), UNIT_LEGEND)], "percentunit",
+           lines=(t.light_load, t.overload_load), width=8),
+        ts("Capacity and demand", "Sum of the units' measured capacity against the arrival rate.",
+           [Target(Q.gauge(M.CAPACITY, op="sum", group=()), "capacity"),
+            Target(Q.counter_rate(M.ARRIVALS), "arrivals")], "reqps", width=12),
+        ts("Tokens per second", "Prompt tokens admitted and tokens generated.",
+           [Target(Q.counter_rate(M.PROMPT_TOKENS), "prompt"),
+            Target(Q.counter_rate(M.GENERATION_TOKENS), "generated")], "short", width=12),
+    ]
+
+
+def _latency(t: Targets) -> list[Panel]:
+    tpot_lines = (t.tpot_s,) if t.tpot_s else ()
+    within = Q.fraction_within(M.TTFT, t.ttft_s, window="$__range", match=Q.UNIT_FILTER)
+    return [
+        ts("Time to first token", f"p50 and p99 of TTFT (arrival to first token). Dashed: the {t.ttft_s:g} s "
+           "target (args.scheduler.admission.target_ttft_s).", _quantiles(M.TTFT, "TTFT"), "s",
+           lines=(t.ttft_s,)),
+        ts("Inter-token latency", "p50 and p99 of the gap between output tokens. Dashed: the TPOT target "
+           "(admission.target_tpot_s).", _quantiles(M.ITL, "ITL"), "s", lines=tpot_lines),
+        ts("End-to-end latency", "p50 and p99 from arrival to the last token, completed requests.",
+           _quantiles(M.E2E, "E2E"), "s", width=8),
+        ts("Queue time and predicted delay", "p50/p99 of arrival-to-admission, and the largest predicted "
+           "queueing delay of a new arrival (what admission control compares with the TTFT target).",
+           [*_quantiles(M.QUEUE_TIME, "queue"),
+            Target(Q.gauge(M.QUEUE_DELAY, group=()), "predicted delay (max unit)")], "s",
+           lines=(t.ttft_s,), width=8),
+        stat_panel("Requests within the TTFT target", f"Fraction of requests whose first token came within "
+                   f"{t.ttft_s:g} s over the dashboard's time range; the SLO is {t.ttft_objective:.0%}.",
+                   [Target(within, "within target")], "percentunit", good_above=t.ttft_objective, width=4),
+        ts("TTFT error-budget burn rate", "What the burn-rate alerts evaluate (all units): 1 spends the error "
+           "budget exactly; dashed: the slow (6x) and fast (14.4x) paging marks.",
+           [Target(A.ttft_burn_rate(t, w), f"burn {w}") for w in ("5m", "1h")], "short",
+           lines=(A.SLOW_BURN[1], A.FAST_BURN[1]), width=4),
+    ]
+
+
+def _batching(t: Targets) -> list[Panel]:
+    return [
+        ts("Micro-wait", "p50/p99 of the wait the batching policy chose before a step (0 when none). Dashed: the "
+           "5 ms hard cap.", _quantiles(M.MICROWAIT, "wait"), "s", lines=(t.microwait_cap_s,), width=8),
+        ts("Batch size", "p50/p99 and mean of sequences per engine step.",
+           [*_quantiles(M.BATCH_SIZE, "batch"), Target(Q.hist_mean(M.BATCH_SIZE), "mean")], "short", width=8),
+        ts("Dispatches by reason", "Engine steps per second by why they launched (full, budget, "
+           "microwait_expired, join, immediate, ...).",
+           [Target(Q.counter_rate(M.DISPATCHES, group=("reason",)), "{{reason}}")], "ops", width=8),
+        ts("CUDA-graph padding waste", "Fraction of captured-batch slots that were padding, per unit, since "
+           "start.", [Target(Q.gauge(M.PADDING_WASTE), UNIT_LEGEND)], "percentunit"),
+        ts("Step device time", "p50/p99 of one engine step's device time.", _quantiles(M.STEP_TIME, "step"), "s"),
+    ]
+
+
+def _kv_queue(t: Targets) -> list[Panel]:
+    return [
+        ts("KV-cache usage by unit", "Fraction of KV blocks in use. Dashed: the OVERLOAD KV mark (alert) and "
+           "the KV rejection mark.", [Target(Q.gauge(M.KV_USAGE), UNIT_LEGEND)], "percentunit",
+           lines=(t.kv_alert, t.kv_reject), width=8),
+        ts("Running requests by unit", "Requests in the running batch (prefilling or decoding).",
+           [Target(Q.gauge(M.RUNNING), UNIT_LEGEND)], "short", width=8),
+        ts("Waiting requests by unit", "Requests queued for admission.",
+           [Target(Q.gauge(M.WAITING), UNIT_LEGEND)], "short", width=8),
+    ]
+
+
+def _admission(t: Targets) -> list[Panel]:
+    rejected = Q.counter_rate(M.REJECTIONS, extra='reason!="too_long"')
+    return [
+        ts("Rejections by reason", "Requests turned away per second (HTTP 429, or 400 for too_long).",
+           [Target(Q.counter_rate(M.REJECTIONS, group=("reason",)), "{{reason}}")], "reqps", width=6),
+        ts("Rejected fraction", "Rejections (too_long excluded) over arrivals. Dashed: the alert mark.",
+           [Target(f"{rejected} / {Q.counter_rate(M.ARRIVALS)}", "rejected")], "percentunit",
+           lines=(t.rejection_ratio,), width=6),
+        ts("Preemptions by reason", "Running requests preempted (recompute) per second: KV exhausted.",
+           [Target(Q.counter_rate(M.PREEMPTIONS, group=("reason",)), "{{reason}}")], "ops", width=6),
+        ts("Engine errors by kind", "Engine failures (dead TP worker, step timeout) per second.",
+           [Target(Q.counter_rate(M.ENGINE_ERRORS, group=("unit", "kind")), "{{unit}} {{kind}}")], "ops",
+           width=6),
+    ]
+
+
+def _units() -> list[Panel]:
+    router = f'deployment="{Q.SERVE_DEPLOYMENT}"'
+    healthy = Q.selector(Q.SERVE_REPLICA_HEALTHY, router, 'replica=~"$unit"')
+    return [
+        ts("Units and autoscaling", "Units reporting metrics; what the tidalserve autoscaling policy asks for "
+           "(desired) and its raw demand; Serve's target and healthy ServingUnit replicas.",
+           [Target(A.units_reporting(), "reporting"),
+            Target(Q.gauge(M.UNITS_DESIRED, group=(), match=""), "desired (policy)"),
+            Target(Q.gauge(M.UNITS_DEMAND, group=(), match=""), "demand (policy)"),
+            Target(A.serve_router_target(), "target (Serve)"),
+            Target(A.serve_router_healthy(), "healthy (Serve)")], "short"),
+        ts("ServingUnit replica health", "Serve's health of each ServingUnit replica (1 healthy, 0 unhealthy or "
+           "stopped); the replica id is the unit id.", [Target(f"max by (application, replica) ({healthy})",
+                                                                "{{application}} {{replica}}")], "short"),
+    ]
+
+
+def serving_dashboard(t: Targets) -> dict[str, Any]:
+    variables = [datasource_variable(),
+                 query_variable("unit", "Unit", M.REGIME.prom_name, M.UNIT_TAG)]
+    sections = [("Traffic and regime", _traffic(t)), ("Latency against the SLO", _latency(t)),
+                ("Batching", _batching(t)), ("KV cache and queue", _kv_queue(t)),
+                ("Admission and failures", _admission(t)), ("Units and autoscaling", _units())]
+    return dashboard(SERVING_UID, "tidalserve / serving",
+                     "tidalserve serving units: traffic, regimes, latency against the SLO, batching, KV cache, "
+                     "admission and autoscaling. Generated by `tidal dashboards render`; see docs/operations.md.",
+                     variables, sections, ["tidalserve", "llm", "ray-serve"])
+
+
+def all_dashboards(t: Targets) -> dict[str, dict[str, Any]]:
+    """File name -> dashboard JSON."""
+    return {f"{SERVING_UID}.json": serving_dashboard(t)}

@@ -1,0 +1,171 @@
+"""Text steps -> OpenAI response objects, for both endpoints, streamed or aggregated.
+
+Owns: `CompletionRenderer` and `ChatRenderer` (same four methods: `preamble` chunks, one stream
+`chunk` per text step, the `usage_chunk`, and the aggregated `response`), the logprobs formats of
+both APIs, and `sse_event` (the `data: <json>\\n\\n` framing).
+
+Logprobs: the engine sends, per token, the sampled token first and then the most likely others.
+Chat shows exactly `top_logprobs` alternatives (OpenAI's semantics); completions show the
+`logprobs` most likely plus the sampled token (vLLM's convention, as the legacy API did).
+
+Must not import: ray, torch, fastapi, tidal_core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, cast
+
+from pydantic import BaseModel
+
+from serve_app.openai.detokenizer import TokenStrings
+from serve_app.openai.errors import OpenAIError
+from serve_app.openai.output_text import TextStep, TokenLogprob
+from serve_app.openai.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+)
+
+DONE_EVENT = "data: [DONE]\n\n"
+Finish = Literal["stop", "length"] | None
+
+
+def sse_event(payload: BaseModel, include_usage: bool = True) -> str:
+    # OpenAI sends `"usage": null` on every chunk only when the client asked for usage.
+    body = payload.model_dump_json(exclude=None if include_usage else {"usage"})
+    return f"data: {body}\n\n"
+
+
+def error_event(err: OpenAIError) -> str:
+    """An error after the stream started: OpenAI's error body as one event (then `[DONE]`)."""
+    return f"data: {err.body().model_dump_json()}\n\n"
+
+
+def _finish(reason: str | None) -> Finish:
+    return cast(Finish, reason)
+
+
+def _top(record: TokenLogprob, num: int) -> list[tuple[int, float]]:
+    seen: dict[int, float] = {record.token_id: record.logprob}
+    for token_id, logprob in record.alternatives:
+        seen.setdefault(token_id, logprob)
+    return sorted(seen.items(), key=lambda item: item[1], reverse=True)[:num]
+
+
+def completion_logprobs(records: Sequence[TokenLogprob], strings: TokenStrings, num: int,
+                        offset_base: int = 0) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for record in records:
+        out.tokens.append(strings.text(record.token_id))
+        out.token_logprobs.append(record.logprob)
+        out.text_offset.append(offset_base + record.text_offset)
+        top: dict[str, float] = {}
+        for token_id, logprob in _top(record, num):
+            top.setdefault(strings.text(token_id), logprob)
+        top.setdefault(strings.text(record.token_id), record.logprob)
+        out.top_logprobs.append(top)
+    return out
+
+
+def chat_logprobs(records: Sequence[TokenLogprob], strings: TokenStrings, num: int) -> ChatChoiceLogprobs:
+    content = [
+        ChatTokenLogprob(
+            token=strings.text(r.token_id), logprob=r.logprob, bytes=strings.bytes(r.token_id),
+            top_logprobs=[TopLogprob(token=strings.text(t), logprob=lp, bytes=strings.bytes(t))
+                          for t, lp in _top(r, num)],
+        )
+        for r in records
+    ]
+    return ChatChoiceLogprobs(content=content)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionRenderer:
+    def __init__(self, request_id: str, model: str, created: int, strings: TokenStrings,
+                 num_logprobs: int | None = None, echo_text: str | None = None) -> None:
+        self.request_id, self.model, self.created = request_id, model, created
+        self.strings = strings
+        self.num_logprobs = num_logprobs
+        self.echo_text = echo_text
+
+    def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
+                                  usage=usage)
+
+    def preamble(self) -> list[BaseModel]:
+        return [self._chunk([CompletionChoice(text=self.echo_text)])] if self.echo_text else []
+
+    def chunk(self, step: TextStep) -> BaseModel | None:
+        if not step.text and not step.logprobs and step.finish_reason is None:
+            return None
+        logprobs = None
+        if self.num_logprobs is not None:
+            logprobs = completion_logprobs(step.logprobs, self.strings, self.num_logprobs)
+        choice = CompletionChoice(text=step.text, logprobs=logprobs, finish_reason=_finish(step.finish_reason))
+        return self._chunk([choice])
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> BaseModel:
+        return self._chunk([], _usage(prompt_tokens, completion_tokens))
+
+    def response(self, text: str, records: Sequence[TokenLogprob], finish_reason: str | None, prompt_tokens: int,
+                 completion_tokens: int) -> CompletionResponse:
+        logprobs = None
+        if self.num_logprobs is not None:
+            logprobs = completion_logprobs(records, self.strings, self.num_logprobs)
+        choice = CompletionChoice(text=(self.echo_text or "") + text, logprobs=logprobs,
+                                  finish_reason=_finish(finish_reason))
+        return self._chunk([choice], _usage(prompt_tokens, completion_tokens))
+
+
+class ChatRenderer:
+    def __init__(self, request_id: str, model: str, created: int, strings: TokenStrings,
+                 num_logprobs: int | None = None) -> None:
+        self.request_id, self.model, self.created = request_id, model, created
+        self.strings = strings
+        self.num_logprobs = num_logprobs  # None: logprobs off; else how many alternatives per token
+
+    def _chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> BaseModel:
+        return ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
+                                            choices=choices, usage=usage)
+
+    def preamble(self) -> list[BaseModel]:
+        # OpenAI's first chunk announces the role with empty content.
+        return [self._chunk([ChatCompletionStreamChoice(delta=DeltaMessage(role="assistant", content=""))])]
+
+    def chunk(self, step: TextStep) -> BaseModel | None:
+        if not step.text and not step.logprobs and step.finish_reason is None:
+            return None
+        logprobs = None
+        if self.num_logprobs is not None:
+            logprobs = chat_logprobs(step.logprobs, self.strings, self.num_logprobs)
+        delta = DeltaMessage(content=step.text) if step.text else DeltaMessage()
+        return self._chunk([ChatCompletionStreamChoice(delta=delta, logprobs=logprobs,
+                                                       finish_reason=_finish(step.finish_reason))])
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> BaseModel:
+        return self._chunk([], _usage(prompt_tokens, completion_tokens))
+
+    def response(self, text: str, records: Sequence[TokenLogprob], finish_reason: str | None, prompt_tokens: int,
+                 completion_tokens: int) -> ChatCompletionResponse:
+        logprobs = None
+        if self.num_logprobs is not None:
+            logprobs = chat_logprobs(records, self.strings, self.num_logprobs)
+        choice = ChatCompletionChoice(message=ChatResponseMessage(content=text), logprobs=logprobs,
+                                      finish_reason=_finish(finish_reason))
+        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=[choice],
+                                      usage=_usage(prompt_tokens, completion_tokens))

@@ -1,0 +1,287 @@
+"""The OpenAI API over an `EngineClient`, without any web framework or Ray.
+
+Owns: `OpenAIServer` (validate against the served model, tokenize, build `SamplingParams`, run the
+request, detokenize and apply stop strings, render the response or the SSE event stream) and
+`EventStream` (the SSE body; closing it cancels the engine request).
+
+Order of work for one request: model name -> prompt ids -> context length -> SamplingParams ->
+first engine chunk. Everything up to and including the first chunk raises `OpenAIError`, so a
+stream that fails before its first token is a plain HTTP error, never a 200 event stream. After
+that, errors become an SSE `error` event followed by `[DONE]`.
+
+Must not import: ray, torch, fastapi.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+from pydantic import BaseModel
+
+from serve_app.openai.detokenizer import TokenStrings
+from serve_app.openai.errors import OpenAIError, bad_request, server_error
+from serve_app.openai.output_text import OutputText, TokenLogprob
+from serve_app.openai.prompts import PromptBuilder
+from serve_app.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+)
+from serve_app.openai.render import DONE_EVENT, ChatRenderer, CompletionRenderer, error_event, sse_event
+from serve_app.unit_api import GenerateChunk, GenerateRequest
+from serve_app.unit_stream import EngineClient, EngineStream, open_stream
+from tidal_core.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+# Inputs longer than this are tokenized off the event loop so one huge prompt does not stall
+# every other stream on this replica.
+OFFLOAD_CHARS = 8192
+
+Renderer = CompletionRenderer | ChatRenderer
+
+
+@dataclass(frozen=True)
+class _Budget:
+    """How many tokens a request may generate: what it asked (under which name) and the default."""
+
+    asked: int | None
+    param: str  # "max_tokens" or "max_completion_tokens": named in errors
+    default: int | None  # None: whatever context is left
+    prompt_param: str  # "prompt" or "messages"
+
+
+@dataclass
+class _Run:
+    """One admitted request: its engine stream (first chunk read) and how to render it."""
+
+    stream: EngineStream
+    first: GenerateChunk
+    output: OutputText
+    renderer: Renderer
+    num_prompt_tokens: int
+    include_usage: bool
+    deadline: float | None  # event-loop time after which the request is aborted
+
+
+class EventStream:
+    """The SSE body. `aclose` closes the engine stream even if iteration never started."""
+
+    def __init__(self, server: OpenAIServer, run: _Run) -> None:
+        self._run = run
+        self._events = server._events(run)
+
+    @property
+    def request_id(self) -> str:
+        return self._run.renderer.request_id
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> str:
+        return await anext(self._events)
+
+    async def aclose(self) -> None:
+        try:
+            await self._events.aclose()
+        finally:
+            await self._run.stream.close()
+
+
+class OpenAIServer:
+    def __init__(self, engine: EngineClient, tokenizer: Any, model_aliases: Sequence[str] = (),
+                 default_completion_max_tokens: int = DEFAULT_COMPLETION_MAX_TOKENS,
+                 health_timeout_s: float = 5.0, request_timeout_s: float | None = None) -> None:
+        self.engine = engine
+        self.info = engine.model_info
+        self.model_id = self.info.model_id
+        self.served_names = list(dict.fromkeys([self.model_id, *model_aliases]))
+        self.default_completion_max_tokens = default_completion_max_tokens
+        self.health_timeout_s = health_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.prompts = PromptBuilder(tokenizer)
+        self.strings = TokenStrings(tokenizer)
+        self.tokenizer = tokenizer
+        self.created = int(time.time())
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    # ---- endpoints ---------------------------------------------------------------------------
+
+    def list_models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=name, created=self.created, root=self.model_id,
+                                         max_model_len=self.info.max_model_len) for name in self.served_names])
+
+    async def health(self) -> bool:
+        try:
+            return bool(await asyncio.wait_for(self.engine.health(), self.health_timeout_s))
+        except Exception:  # timeouts, dead actors, anything: unhealthy, never a 500
+            logger.warning("engine health check failed", exc_info=True)
+            return False
+
+    async def create_completion(self, request: CompletionRequest,
+                                arrival_s: float | None = None) -> CompletionResponse | EventStream:
+        arrival_s = time.time() if arrival_s is None else arrival_s
+        self._check_model(request)
+        if request.echo and request.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo",
+                              "unsupported_value")
+        prompt = request.prompt_input()
+        size = len(prompt) if isinstance(prompt, str) else 0
+        ids = await self._tokenize(size, self.prompts.completion_ids, prompt)
+        echo_text = None
+        if request.echo:
+            echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        renderer = CompletionRenderer(request_id, self.model_id, int(arrival_s), self.strings, request.logprobs,
+                                      echo_text)
+        budget = _Budget(request.max_tokens, "max_tokens", self.default_completion_max_tokens, "prompt")
+        run = await self._start(request, ids, budget, request.logprobs, renderer, arrival_s)
+        return cast(CompletionResponse | EventStream, await self._finish(run, request.stream))
+
+    async def create_chat_completion(self, request: ChatCompletionRequest,
+                                     arrival_s: float | None = None) -> ChatCompletionResponse | EventStream:
+        arrival_s = time.time() if arrival_s is None else arrival_s
+        self._check_model(request)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+        size = sum(len(m.text()) for m in request.messages)
+        ids = await self._tokenize(size, self.prompts.chat_ids, request.messages, request.add_generation_prompt)
+        num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        renderer = ChatRenderer(request_id, self.model_id, int(arrival_s), self.strings, num_logprobs)
+        param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        budget = _Budget(request.max_new_tokens(), param, None, "messages")
+        run = await self._start(request, ids, budget, num_logprobs, renderer, arrival_s)
+        return cast(ChatCompletionResponse | EventStream, await self._finish(run, request.stream))
+
+    # ---- request preparation -------------------------------------------------------------------
+
+    def _check_model(self, request: SamplingFields) -> None:
+        if request.model is not None and request.model not in self.served_names:
+            served = ", ".join(repr(n) for n in self.served_names)
+            raise bad_request(f"The model {request.model!r} does not exist; this server serves {served} "
+                              "(see GET /v1/models).", "model", "model_not_found")
+        if request.stream_options is not None and not request.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+    async def _tokenize(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """Tokenize (`fn`) a prompt of `size` characters; long ones off the event loop, and ones
+        that cannot fit the context refused before any tokenizer work."""
+        if self.prompts.min_tokens(size) >= self.info.max_model_len:
+            raise bad_request(f"The prompt is {size} characters long, which is more than this model's maximum "
+                              f"context length of {self.info.max_model_len} tokens can hold. Please shorten it.",
+                              None, "context_length_exceeded")
+        if size < OFFLOAD_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _max_tokens(self, num_prompt: int, budget: _Budget) -> int:
+        asked, param, prompt_param = budget.asked, budget.param, budget.prompt_param
+        limit = self.info.max_model_len
+        if num_prompt >= limit:
+            raise bad_request(f"The prompt is {num_prompt} tokens long, but this model's maximum context length is "
+                              f"{limit} tokens, and at least one token must be left to generate. Please shorten the "
+                              f"{prompt_param}.", prompt_param, "context_length_exceeded")
+        room = limit - num_prompt
+        if asked is None:
+            return room if budget.default is None else min(budget.default, room)
+        if num_prompt + asked > limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{num_prompt + asked} tokens ({num_prompt} in the {prompt_param}, {asked} in "
+                              f"{param}). Please reduce the {prompt_param} or {param}.", param,
+                              "context_length_exceeded")
+        return asked
+
+    def _sampling(self, request: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        stop_ids = set(request.stop_token_ids or ())
+        bad = [t for t in stop_ids if t >= self.prompts.vocab_size]
+        if bad:
+            raise bad_request(f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {self.prompts.vocab_size})",
+                              "stop_token_ids")
+        if not request.ignore_eos:
+            stop_ids.update(self.info.eos_token_ids)
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=-1 if request.top_k is None or request.top_k == 0 else request.top_k,
+                seed=request.seed, stop_token_ids=frozenset(stop_ids), ignore_eos=request.ignore_eos,
+                logprobs=logprobs, min_tokens=request.min_tokens)
+        except ValueError as err:  # SamplingParams names the value: "min_tokens=9 must be ..."
+            message = str(err)
+            raise bad_request(message, message.split("=", 1)[0] if "=" in message else None) from err
+
+    async def _start(self, request: SamplingFields, ids: list[int], budget: _Budget, logprobs: int | None,
+                     renderer: Renderer, arrival_s: float) -> _Run:
+        max_tokens = self._max_tokens(len(ids), budget)
+        sampling = self._sampling(request, max_tokens, logprobs)
+        output = OutputText(self.tokenizer, ids, request.stop_strings(),
+                            include_stop=request.include_stop_str_in_output, min_tokens=request.min_tokens,
+                            skip_special_tokens=request.skip_special_tokens)
+        deadline = None
+        if self.request_timeout_s is not None:
+            deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        generate = GenerateRequest(renderer.request_id, ids, sampling, arrival_s)
+        stream, first = await open_stream(self.engine, generate, deadline)
+        return _Run(stream, first, output, renderer, len(ids), request.include_usage, deadline)
+
+    # ---- running -------------------------------------------------------------------------------
+
+    async def _finish(self, run: _Run, stream: bool) -> BaseModel | EventStream:
+        if stream:
+            return EventStream(self, run)
+        try:
+            return await self._aggregate(run)
+        finally:
+            await run.stream.close()
+
+    async def _aggregate(self, run: _Run) -> BaseModel:
+        parts: list[str] = []
+        records: list[TokenLogprob] = []
+        chunk = run.first
+        while True:
+            step = run.output.on_chunk(chunk.token_ids, chunk.logprobs, chunk.finish_reason)
+            parts.append(step.text)
+            records.extend(step.logprobs)
+            if step.finish_reason is not None:
+                return run.renderer.response("".join(parts), records, step.finish_reason, run.num_prompt_tokens,
+                                             run.output.num_tokens)
+            chunk = await run.stream.next(run.deadline)
+
+    async def _events(self, run: _Run) -> AsyncGenerator[str, None]:
+        try:
+            for event in run.renderer.preamble():
+                yield sse_event(event, run.include_usage)
+            chunk = run.first
+            while True:
+                step = run.output.on_chunk(chunk.token_ids, chunk.logprobs, chunk.finish_reason)
+                rendered = run.renderer.chunk(step)
+                if rendered is not None:
+                    yield sse_event(rendered, run.include_usage)
+                if step.finish_reason is not None:
+                    break
+                chunk = await run.stream.next(run.deadline)
+            if run.include_usage:
+                yield sse_event(run.renderer.usage_chunk(run.num_prompt_tokens, run.output.num_tokens))
+        except OpenAIError as err:
+            yield error_event(err)
+        except Exception:  # a bug after the 200 went out: tell the client in-band, keep the traceback
+            logger.exception("stream %s failed", run.renderer.request_id)
+            yield error_event(server_error("internal error while streaming"))
+        finally:
+            # Stop string matched, finished, failed or the client went away: cancel in the router.
+            await run.stream.close()
+        yield DONE_EVENT

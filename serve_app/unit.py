@@ -1,0 +1,154 @@
+"""The ServingUnit deployment: one serving unit = one core Scheduler + one replica group.
+
+Owns: `ServingUnit` (Serve deployment glue around `EngineLoop`): builds the replica group (TP
+workers running the model, or the simulated GPU), sizes the scheduler from it, streams tokens
+to the ingress, reports routing and autoscaling stats, and fails its health check when the
+engine died so Serve rebuilds the unit. No policy decision is made here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from serve_app.config_loader import AppArgs, EngineArgs, scheduler_config
+from serve_app.engine_loop import EngineLoop, StreamCoalescing
+from serve_app.metrics import UnitMetrics
+from serve_app.unit_api import GenerateChunk, GenerateRequest, ModelInfo
+from tidal_core import Scheduler
+from tidal_core.config import ServicePrior
+from tidal_core.regime import REGIME_LEVEL
+
+log = logging.getLogger("tidalserve.unit")
+
+SIM_PLACEHOLDER_TOKEN = 260
+"""What the simulated GPU 'generates': a plain word piece (" the" in the Llama/SmolLM2
+vocabularies), so streamed text is visible and TTFT is measurable by any client."""
+
+
+def build_replica_group(engine: EngineArgs, max_num_batched_tokens: int, buckets: tuple[int, ...],
+                        name_prefix: str | None = None) -> Any:
+    """The executor of one unit and the service prior for its scheduler."""
+    from actors.replica import ReplicaGroup
+    from actors.worker_setup import EngineSpec
+
+    spec = EngineSpec(model=engine.model, tp=engine.tp, device=engine.device, dtype=engine.dtype,
+                      block_size=engine.block_size, max_model_len=engine.max_model_len,
+                      max_num_batched_tokens=max_num_batched_tokens, kv_cache_gb=engine.kv_cache_gb,
+                      gpu_memory_utilization=engine.gpu_memory_utilization, cuda_graph_buckets=buckets,
+                      enforce_eager=engine.enforce_eager)
+    if engine.backend == "sim":
+        from calibration.cost_model import CostModel
+        from calibration.unit_sizing import kv_cache_blocks
+
+        assert engine.cost_model is not None
+        cost = CostModel.load(engine.cost_model)
+        num_blocks = engine.sim_num_kv_blocks or kv_cache_blocks(tp=cost.tp, block_size=engine.block_size)
+        group = ReplicaGroup.simulated(spec, cost, num_blocks, placeholder_token_id=SIM_PLACEHOLDER_TOKEN)
+        return group, cost.service_prior()
+    group = ReplicaGroup(spec, backend="hf", step_timeout_s=engine.step_timeout_s,
+                         compiled_graph=engine.compiled_graph, name_prefix=name_prefix)
+    return group, None
+
+
+@serve.deployment
+class ServingUnit:
+    async def __init__(self, args: dict[str, Any]) -> None:
+        app = AppArgs.model_validate(args)
+        self.args = app
+        ctx = serve.get_replica_context()
+        self.unit = ctx.replica_id.unique_id if ctx is not None else "local"
+        # Starting TP workers blocks on Ray for up to minutes (weights load): off the event loop.
+        self.group, prior = await asyncio.to_thread(
+            build_replica_group, app.engine, app.scheduler.max_num_batched_tokens,
+            tuple(app.scheduler.cuda_graph_buckets), f"tidal-tp-{self.unit}")
+        cfg = scheduler_config(app.scheduler, num_kv_blocks=self.group.num_kv_blocks,
+                               block_size=self.group.block_size, max_model_len=self.group.max_model_len,
+                               service_prior=prior or ServicePrior())
+        # Pad only to the decode sizes the workers actually captured (none on CPU: all eager).
+        cfg = dataclasses.replace(cfg, cuda_graph_buckets=tuple(self.group.cuda_graph_buckets))
+        self.scheduler = Scheduler(cfg, now=time.monotonic())
+        self.metrics = UnitMetrics(self.unit)
+        self.loop = EngineLoop(self.scheduler, self.group, self.metrics,
+                               coalescing=StreamCoalescing(app.streaming.interval_s, app.streaming.min_streams))
+        self.info = ModelInfo(app.engine.model_id, self.group.max_model_len, tuple(self.group.eos_token_ids),
+                              app.engine.backend)
+        self._gauge_task: asyncio.Task[None] | None = None
+        # Start at once, not on the first request: a new idle unit must already report its
+        # gauges (dashboards, the unit-down alert) and its stats (routing, autoscaling).
+        self._ensure_background()
+        log.info("unit %s ready: policy %s, %d KV blocks of %d, max_model_len %d", self.unit, cfg.policy,
+                 cfg.num_kv_blocks, cfg.block_size, cfg.max_model_len)
+
+    def _ensure_background(self) -> None:
+        self.loop.start()
+        if self._gauge_task is None:
+            self._gauge_task = asyncio.get_running_loop().create_task(self._refresh_gauges())
+
+    async def _refresh_gauges(self) -> None:
+        while True:  # keeps gauges true while idle (the step hook only runs when steps run)
+            self.metrics.refresh_gauges(self.scheduler, time.monotonic())
+            await asyncio.sleep(1.0)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        self._ensure_background()
+        async for chunk in self.loop.generate(request):
+            yield chunk
+
+    async def model_info(self) -> ModelInfo:
+        return self.info
+
+    async def health(self) -> bool:
+        return self.loop.healthy
+
+    def check_health(self) -> None:
+        """Serve's periodic probe: a failed engine or a dead worker restarts this unit."""
+        if not self.loop.healthy:
+            raise RuntimeError(f"engine failed: {self.loop.failure}")
+        self.group.check_health()
+
+    def _stats(self) -> dict[str, float]:
+        s, now = self.scheduler, time.monotonic()
+        return {
+            "num_running": float(s.num_running),
+            "num_waiting": float(s.num_waiting),
+            "queue_delay_s": s.predicted_queue_delay_s(now),
+            "kv_usage": s.kv_usage(),
+            "load": s.load.load(now),
+            "capacity_rps": s.load.capacity_rps(),
+            "regime": float(REGIME_LEVEL[s.current_regime]),
+        }
+
+    async def unit_state(self, check: bool = False) -> dict[str, Any]:
+        """Operator view of the unit (and, with `check`, the scheduler's integrity check):
+        what the reliability tests read to prove nothing leaked."""
+        if check:
+            self.scheduler.check_integrity()
+        s = self.scheduler
+        workers = [f"{self.group.name_prefix}-r{r}" for r in range(len(self.group.workers))] \
+            if self.group.name_prefix else []
+        return {**self._stats(), "unit": self.unit, "healthy": self.loop.healthy, "failure": self.loop.failure,
+                "pid": os.getpid(), "workers": workers,
+                "num_free_blocks": s.blocks.num_free_blocks, "num_blocks": s.blocks.num_blocks,
+                "num_streams": len(self.loop.streams), "num_requests": len(s.requests),
+                "regime_name": s.current_regime.value, "policy": s.config.policy,
+                "finished": dict(s.stats.finished), "rejected": dict(s.stats.rejected),
+                "preempted": dict(s.stats.preempted), "num_steps": s.stats.num_steps}
+
+    def record_routing_stats(self) -> dict[str, float]:
+        return self._stats()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return self._stats()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.group.shutdown()

@@ -1,0 +1,64 @@
+"""The contract between the ingress deployment and a router deployment (one serving unit).
+
+Owns: `GenerateRequest` (tokenized prompt + sampling parameters, sent through a Serve
+streaming handle), `GenerateChunk` (what the router streams back: new token ids, a finish
+reason, or an `EngineError`) and `ModelInfo`. Plain dataclasses: they cross process
+boundaries by pickle, and the ingress can be tested without Ray.
+
+Streaming protocol: `router.generate.options(stream=True).remote(request)` yields chunks.
+The first chunk may be an error (rejected by admission control: 429; no unit: 503; bad
+parameters found late: 400) and then the stream ends. Otherwise chunks carry token ids (one
+or more per chunk, in order) and the last chunk carries `finish_reason`. Cancelling the
+stream (client disconnect, or a stop string matched at the ingress) aborts the request in the
+router and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tidal_core.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_s: float  # wall clock (time.time()) when the ingress received the HTTP request
+
+
+@dataclass(frozen=True)
+class EngineError:
+    """An error to show the client in OpenAI's error schema."""
+
+    status: int  # HTTP status: 400, 429, 503, 500
+    type: str  # OpenAI error type: "invalid_request_error", "rate_limit_error", "server_error", ...
+    code: str  # stable machine code, e.g. "queue_full", "prefill_backlog", "engine_dead"
+    message: str
+    retry_after_s: float | None = None
+
+    @classmethod
+    def unavailable(cls, code: str, message: str, retry_after_s: float) -> EngineError:
+        """A 503 `server_error`: the serving unit failed or is not there yet; the client retries."""
+        return cls(503, "server_error", code, message, retry_after_s)
+
+
+UNIT_REPLACED = "the serving unit failed and is being replaced; retry"
+
+
+@dataclass
+class GenerateChunk:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[list[tuple[int, float]]] | None = None  # one entry per token id, if asked
+    num_prompt_tokens: int = 0
+    error: EngineError | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str  # the name clients pass as `model`
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    backend: str  # "hf" or "sim"

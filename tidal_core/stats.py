@@ -1,0 +1,91 @@
+"""Counters of every scheduling decision, each with a reason label.
+
+Owns: `SchedulerStats` (cumulative counters a driver exports as metrics) and `RequestTimes`
+(one finished request's timeline, for latency metrics). Per-step detail is the `StepStats`
+record of core/plan.py, kept as `last_step` for drivers that export it.
+
+Reason labels (stable; dashboards and alerts use them):
+- dispatch: immediate, join, full, budget, microwait_expired, wait_expired, decode_only
+- wait (WaitUntil): microwait, fixed_wait, static_batch
+- rejected: too_long, queue_full, prefill_backlog, kv_pressure
+- preempted: kv_exhausted
+- finished: stop, length, abort
+- `tpot_limited_steps`: steps whose prefill the TPOT governor cut (core/tpot.py)
+
+Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tidal_core.plan import StepStats
+from tidal_core.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimes:
+    request_id: str
+    arrival_s: float
+    admitted_s: float | None
+    first_token_s: float | None
+    finished_s: float | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, req: Request) -> RequestTimes:
+        return cls(req.request_id, req.arrival_s, req.admitted_s, req.first_token_s, req.finished_s,
+                   req.num_prompt_tokens, len(req.output_token_ids),
+                   req.finish_reason.value if req.finish_reason else None, req.num_preemptions)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.admitted_s is None else self.admitted_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finished_s is None else self.finished_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (None for 0 or 1 token)."""
+        if self.finished_s is None or self.first_token_s is None or self.num_output_tokens < 2:
+            return None
+        return (self.finished_s - self.first_token_s) / (self.num_output_tokens - 1)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_steps: int = 0
+    num_waits: int = 0
+    num_arrived: int = 0
+    num_prompt_tokens_computed: int = 0
+    num_generated_tokens: int = 0
+    dispatch: Counter[str] = field(default_factory=Counter)
+    waits: Counter[str] = field(default_factory=Counter)
+    rejected: Counter[str] = field(default_factory=Counter)
+    preempted: Counter[str] = field(default_factory=Counter)
+    finished: Counter[str] = field(default_factory=Counter)
+    wait_s_total: float = 0.0
+    tpot_limited_steps: int = 0
+    last_step: StepStats | None = None
+
+    @property
+    def num_rejected(self) -> int:
+        return sum(self.rejected.values())
+
+    @property
+    def num_preempted(self) -> int:
+        return sum(self.preempted.values())
+
+    @property
+    def num_finished(self) -> int:
+        return sum(self.finished.values())
