@@ -14,10 +14,8 @@ import dataclasses
 import time
 from typing import Any
 
-from serve_app.request_router import unit_load_from_stats
-from tidal_core import AutoscaleConfig, AutoscaleObservation, AutoscaleState, decide
-
-STAT_KEYS = ("num_running", "num_waiting", "queue_delay_s", "kv_usage", "load", "capacity_rps", "regime")
+from tidal_core import AutoscaleConfig, AutoscaleObservation, AutoscaleState, UnitLoad, decide
+from tidal_core.snapshot import STAT_KEYS
 
 
 class TidalAutoscalingPolicy:
@@ -31,7 +29,7 @@ class TidalAutoscalingPolicy:
         units = []
         for replica_id in ctx.running_replicas:
             stats = {k: metrics[k][replica_id] for k in STAT_KEYS if replica_id in metrics.get(k, {})}
-            units.append(unit_load_from_stats(str(replica_id), stats or None))
+            units.append(UnitLoad.from_stats(str(replica_id), stats or None))
         config = dataclasses.replace(self.config, min_units=max(1, ctx.capacity_adjusted_min_replicas),
                                      max_units=max(1, ctx.capacity_adjusted_max_replicas))
         now = ctx.current_time or time.time()

@@ -89,12 +89,12 @@ class UnitMetrics:
 
     # ---- gauges ------------------------------------------------------------------------------
     def refresh_gauges(self, sched: Scheduler, now: float) -> None:
-        m = self._m
-        m[M.RUNNING.name].set(sched.num_running)
-        m[M.WAITING.name].set(sched.num_waiting)
-        m[M.KV_USAGE.name].set(sched.kv_usage())
-        m[M.REGIME.name].set(REGIME_LEVEL[sched.current_regime])
-        m[M.LOAD.name].set(sched.load.load(now))
-        m[M.CAPACITY.name].set(sched.load.capacity_rps())
-        m[M.QUEUE_DELAY.name].set(sched.predicted_queue_delay_s(now))
+        m, snap = self._m, sched.snapshot(now, self.unit)
+        m[M.RUNNING.name].set(snap.num_running)
+        m[M.WAITING.name].set(snap.num_waiting)
+        m[M.KV_USAGE.name].set(snap.kv_usage)
+        m[M.REGIME.name].set(REGIME_LEVEL[snap.regime])
+        m[M.LOAD.name].set(snap.load)
+        m[M.CAPACITY.name].set(snap.capacity_rps)
+        m[M.QUEUE_DELAY.name].set(snap.queue_delay_s)
         m[M.PADDING_WASTE.name].set(sched.buckets.padding_waste())

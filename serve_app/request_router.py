@@ -16,16 +16,6 @@ from typing import Any
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from tidal_core import UnitLoad, choose_unit
-from tidal_core.regime import Regime
-
-_REGIME_NAMES = {0: Regime.LIGHT.value, 1: Regime.STEADY.value, 2: Regime.OVERLOAD.value}
-
-
-def unit_load_from_stats(unit_id: str, stats: dict[str, Any] | None) -> UnitLoad:
-    s = stats or {}
-    return UnitLoad(unit_id, int(s.get("num_running", 0)), int(s.get("num_waiting", 0)),
-                    float(s.get("queue_delay_s", 0.0)), float(s.get("kv_usage", 0.0)), float(s.get("load", 0.0)),
-                    float(s.get("capacity_rps", 0.0)), _REGIME_NAMES.get(int(s.get("regime", 0)), "light"))
 
 
 class TidalRequestRouter(FIFOMixin, RequestRouter):
@@ -38,7 +28,7 @@ class TidalRequestRouter(FIFOMixin, RequestRouter):
             return []
         rng = getattr(self, "_rng", None) or random.Random()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        loads = [unit_load_from_stats(uid, r.routing_stats) for uid, r in by_id.items()]
+        loads = [UnitLoad.from_stats(uid, r.routing_stats) for uid, r in by_id.items()]
         chosen = choose_unit(loads, rng)
         if chosen is None:
             return [candidate_replicas]

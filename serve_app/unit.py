@@ -25,7 +25,6 @@ from serve_app.metrics import UnitMetrics
 from serve_app.unit_api import GenerateChunk, GenerateRequest, ModelInfo
 from tidal_core import Scheduler
 from tidal_core.config import ServicePrior
-from tidal_core.regime import REGIME_LEVEL
 
 log = logging.getLogger("tidalserve.unit")
 
@@ -116,16 +115,7 @@ class ServingUnit:
         self.group.check_health()
 
     def _stats(self) -> dict[str, float]:
-        s, now = self.scheduler, time.monotonic()
-        return {
-            "num_running": float(s.num_running),
-            "num_waiting": float(s.num_waiting),
-            "queue_delay_s": s.predicted_queue_delay_s(now),
-            "kv_usage": s.kv_usage(),
-            "load": s.load.load(now),
-            "capacity_rps": s.load.capacity_rps(),
-            "regime": float(REGIME_LEVEL[s.current_regime]),
-        }
+        return self.scheduler.snapshot(time.monotonic(), self.unit).to_stats()
 
     async def unit_state(self, check: bool = False) -> dict[str, Any]:
         """Operator view of the unit (and, with `check`, the scheduler's integrity check):

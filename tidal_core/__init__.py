@@ -33,8 +33,9 @@ from tidal_core.plan import (
 from tidal_core.presets import POLICIES, PRESET_DESCRIPTIONS, preset
 from tidal_core.regime import Regime
 from tidal_core.request import FinishReason, Request, RequestStatus, SamplingParams
-from tidal_core.routing import UnitLoad, choose_unit
+from tidal_core.routing import choose_unit
 from tidal_core.scheduler import Scheduler
+from tidal_core.snapshot import UnitLoad
 from tidal_core.stats import RequestTimes, SchedulerStats
 
 __all__ = [

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tidal_core.routing import UnitLoad
+from tidal_core.regime import Regime
+from tidal_core.snapshot import UnitLoad
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +92,7 @@ def demand_units(units: Sequence[UnitLoad], target_load: float) -> float:
     arrival_rps = sum(u.load * u.capacity_rps for u in reporting)
     mean_capacity = sum(u.capacity_rps for u in reporting) / len(reporting)
     demand = arrival_rps / (target_load * mean_capacity)
-    if any(u.regime == "overload" for u in reporting):
+    if any(u.regime is Regime.OVERLOAD for u in reporting):
         demand = max(demand, len(reporting) + 1.0)
     return demand
 

@@ -1,6 +1,6 @@
 """Which serving unit gets a request: a pure policy over the units' reported loads.
 
-Owns: `UnitLoad` (what a unit reports) and `choose_unit`. The score of a unit is the delay a
+Owns: `choose_unit` over the units' snapshots (`UnitLoad`, core/snapshot.py). The score of a unit is the delay a
 new request would see there: the predicted queueing delay of its prefill backlog, plus a
 penalty as its KV cache fills (a nearly full cache means preemptions or rejections soon).
 With more than two units the choice is power-of-two-choices on that score, because loads
@@ -14,24 +14,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+from tidal_core.snapshot import UnitLoad
 
 KV_PENALTY_START = 0.8
 """KV usage above which a unit's score grows steeply (seconds of delay per unit of usage)."""
 KV_PENALTY_S = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class UnitLoad:
-    unit_id: str
-    num_running: int
-    num_waiting: int
-    queue_delay_s: float
-    kv_usage: float
-    load: float = 0.0
-    capacity_rps: float = 0.0
-    regime: str = "light"
-    healthy: bool = True
 
 
 def unit_score(unit: UnitLoad) -> float:

@@ -45,6 +45,7 @@ from tidal_core.plan import (
 )
 from tidal_core.regime import Regime, RegimeDetector
 from tidal_core.request import FinishReason, Request, RequestStatus
+from tidal_core.snapshot import UnitLoad
 from tidal_core.stats import SchedulerStats
 from tidal_core.tpot import STRICT, TpotGovernor
 
@@ -111,6 +112,11 @@ class Scheduler:
     def backlog_prefill_tokens(self) -> int:
         """Prompt tokens not yet computed: waiting prompts plus unfinished chunks."""
         return self._waiting_tokens + self._prefill_remaining
+
+    def snapshot(self, now: float, unit_id: str = "") -> UnitLoad:
+        """This unit's state now, as routing, autoscaling, the simulator and metrics read it."""
+        return UnitLoad(unit_id, self.num_running, len(self.waiting), self.predicted_queue_delay_s(now),
+                        self.blocks.usage(), self.load.load(now), self.load.capacity_rps(), self.regime.regime)
 
     def unit_state(self, now: float, req: Request) -> UnitState:
         busy = bool(self.waiting) or bool(self.prefilling) or self.num_running >= self.max_running()

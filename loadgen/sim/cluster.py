@@ -19,9 +19,7 @@ if TYPE_CHECKING:
 
 
 def unit_load(unit: Unit, now: float) -> UnitLoad:
-    s = unit.sched
-    return UnitLoad(str(unit.uid), s.num_running, s.num_waiting, s.predicted_queue_delay_s(now), s.kv_usage(),
-                    s.load.load(now), s.load.capacity_rps(), s.current_regime.value)
+    return unit.sched.snapshot(now, str(unit.uid))
 
 
 class Fleet:

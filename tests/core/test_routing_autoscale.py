@@ -5,12 +5,12 @@ from collections import Counter
 
 import pytest
 
-from tidal_core import AutoscaleConfig, AutoscaleObservation, AutoscaleState, UnitLoad, choose_unit, decide
+from tidal_core import AutoscaleConfig, AutoscaleObservation, AutoscaleState, Regime, UnitLoad, choose_unit, decide
 
 
 def unit(uid: str, delay: float = 0.0, kv: float = 0.1, healthy: bool = True, load: float = 0.5,
          cap: float = 10.0, regime: str = "steady") -> UnitLoad:
-    return UnitLoad(uid, 4, 0, delay, kv, load, cap, regime, healthy)
+    return UnitLoad(uid, 4, 0, delay, kv, load, cap, Regime(regime), healthy)
 
 
 def test_least_delay_with_two_units_and_none_when_all_down() -> None:

@@ -1,0 +1,60 @@
+"""One snapshot of a serving unit: what routing, autoscaling, the simulator and metrics read.
+
+Owns: `UnitLoad`, the record `Scheduler.snapshot(now)` returns, and its one wire form
+(`to_stats` / `from_stats`): the flat dict of floats a Serve replica reports through
+`record_routing_stats` and `record_autoscaling_stats`. The regime travels as its level
+(`REGIME_LEVEL`, the same number the `tidal_regime` gauge exports), and nowhere else is it
+encoded another way.
+
+Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tidal_core.regime import REGIME_LEVEL, Regime
+
+_REGIME_BY_LEVEL = {level: regime for regime, level in REGIME_LEVEL.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class UnitLoad:
+    """A unit's state at one instant. `queue_delay_s` is the predicted queueing delay a new
+    request would see (the admission's and the router's score); `load` is utilisation (see
+    core/load.py) against `capacity_rps`, the measured service capacity."""
+
+    unit_id: str
+    num_running: int
+    num_waiting: int
+    queue_delay_s: float
+    kv_usage: float
+    load: float = 0.0
+    capacity_rps: float = 0.0
+    regime: Regime = Regime.LIGHT
+    healthy: bool = True
+
+    def to_stats(self) -> dict[str, float]:
+        """The wire form: floats only (Serve's stats contract); the unit id is the replica's."""
+        return {
+            "num_running": float(self.num_running),
+            "num_waiting": float(self.num_waiting),
+            "queue_delay_s": self.queue_delay_s,
+            "kv_usage": self.kv_usage,
+            "load": self.load,
+            "capacity_rps": self.capacity_rps,
+            "regime": float(REGIME_LEVEL[self.regime]),
+        }
+
+    @classmethod
+    def from_stats(cls, unit_id: str, stats: Mapping[str, float] | None) -> UnitLoad:
+        """Reads `to_stats`'s form; a unit that has not reported yet reads as idle."""
+        s = stats or {}
+        return cls(unit_id, int(s.get("num_running", 0)), int(s.get("num_waiting", 0)),
+                   float(s.get("queue_delay_s", 0.0)), float(s.get("kv_usage", 0.0)), float(s.get("load", 0.0)),
+                   float(s.get("capacity_rps", 0.0)), _REGIME_BY_LEVEL.get(int(s.get("regime", 0)), Regime.LIGHT))
+
+
+STAT_KEYS: tuple[str, ...] = tuple(UnitLoad("", 0, 0, 0.0, 0.0).to_stats())
+"""The keys of the wire form, in order (what an autoscaling policy reads back per replica)."""
