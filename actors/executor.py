@@ -1,8 +1,7 @@
 """The seam between a step driver and whatever computes a step.
 
-Owns: the `Executor` protocol (`execute(plan) -> StepResult`, what the offline engine and the
-simulator call), `AsyncExecutor` (the awaitable form the Serve router uses) and
-`LocalExecutor`, a TP=1 model runner in this process with no Ray at all.
+Owns: `LocalExecutor`, a TP=1 model runner in this process with no Ray at all. The protocols
+it implements (`Executor`, `AsyncExecutor`) are the step contract's, in tidal_core/plan.py;
 `actors.replica.ReplicaGroup` is the multi-worker implementation of both forms.
 
 Must not import: ray.
@@ -10,18 +9,8 @@ Must not import: ray.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from actors.worker_setup import EngineInfo, EngineSpec, build_local_runner
 from tidal_core.plan import StepPlan, StepResult
-
-
-class Executor(Protocol):
-    def execute(self, plan: StepPlan) -> StepResult: ...
-
-
-class AsyncExecutor(Protocol):
-    async def execute(self, plan: StepPlan) -> StepResult: ...
 
 
 class LocalExecutor:

@@ -19,10 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from actors.executor import Executor
 from actors.worker_setup import EngineInfo
 from tidal_core import Request, SamplingParams, Scheduler, SchedulerConfig, preset
-from tidal_core.plan import Idle, Run, WaitUntil
+from tidal_core.plan import Executor, Idle, Run, WaitUntil
 
 # Request ids stay unique across engines sharing one executor: a finished request's worker
 # state is only dropped by the *next* plan's finished_ids, which an engine that went idle

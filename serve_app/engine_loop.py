@@ -23,17 +23,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from serve_app.unit_api import UNIT_REPLACED, EngineError, GenerateChunk, GenerateRequest
-from tidal_core import Idle, Request, Run, Scheduler, StepPlan, StepResult, WaitUntil
+from tidal_core import Idle, Request, Run, Scheduler, StepPlan, WaitUntil
+from tidal_core.plan import AsyncExecutor
 
 log = logging.getLogger("tidalserve.engine")
 
 # A front-end delay larger than this is not believed (a node's clock is off): treated as none.
 MAX_FRONT_END_DELAY_S = 60.0
 _END = object()  # queue sentinel: the request is over (its finish reason is on the stream)
-
-
-class AsyncExecutor(Protocol):
-    async def execute(self, plan: StepPlan) -> StepResult: ...
 
 
 class EngineObserver(Protocol):

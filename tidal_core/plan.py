@@ -14,6 +14,7 @@ Executors keep per-request state from those and apply the diffs of later plans.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tidal_core.request import Request, SamplingParams
 
@@ -161,3 +162,15 @@ class StepStats:
     dispatch_reason: str
     num_preempted: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+
+
+class Executor(Protocol):
+    """Whatever computes a step: the offline engine and the simulator call this form."""
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+class AsyncExecutor(Protocol):
+    """The awaitable form the Serve engine loop drives (a replica group, the simulated GPU)."""
+
+    async def execute(self, plan: StepPlan) -> StepResult: ...
