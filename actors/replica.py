@@ -10,17 +10,16 @@ StepResult is returned. Transport: plain actor calls, or a Ray Compiled Graph (l
 overhead, see benchmarks/control_plane.py; the default on CUDA). Compiled-graph actors spin a
 core while the graph exists, so always call `shutdown()`.
 
-Backends: "hf" runs the real model; "sim" runs the cost model's SimExecutor in-process and
-sleeps its modelled step time (the simulated GPU behind a real Serve deployment).
+The simulated GPU (Serve's "sim" backend) is not a replica group: it is
+`calibration.simulated_replica.SimulatedReplica`, with the same interface and no Ray.
 
-Must not import: serve_app except the core plan dataclasses.
+Must not import: serve_app, or the core beyond its plan dataclasses.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from typing import Any
 
 import ray
@@ -38,28 +37,16 @@ class WorkerFailure(RuntimeError):
 
 
 class ReplicaGroup:
-    def __init__(self, spec: EngineSpec, backend: str = "hf", *, step_timeout_s: float = 60.0,
-                 init_timeout_s: float = 600.0, cpus_per_worker: float = 0.01, compiled_graph: bool | None = None,
-                 sim_executor: Any = None, name_prefix: str | None = None) -> None:
-        if backend not in ("hf", "sim"):
-            raise ValueError(f"backend={backend!r}: use 'hf' (real model) or 'sim' (cost model)")
+    def __init__(self, spec: EngineSpec, *, step_timeout_s: float = 60.0, init_timeout_s: float = 600.0,
+                 cpus_per_worker: float = 0.01, compiled_graph: bool | None = None,
+                 name_prefix: str | None = None) -> None:
         self.spec = spec
-        self.backend = backend
         self.step_timeout_s = step_timeout_s
         self.workers: list[Any] = []
         self.pg: Any = None
         self._dag: Any = None
-        self._sim = sim_executor
         self._own_pg = False
         self.name_prefix = name_prefix  # workers are named `{prefix}-r{rank}` (operators, fault tests)
-        if backend == "sim":
-            if sim_executor is None or not sim_executor.num_kv_blocks:
-                raise ValueError("backend='sim' needs a SimExecutor with num_kv_blocks set; "
-                                 "use ReplicaGroup.simulated(...)")
-            eos = (sim_executor.eos_token_id,) if sim_executor.eos_token_id is not None else ()
-            self.info = EngineInfo(sim_executor.num_kv_blocks, spec.block_size, spec.max_model_len, eos, None,
-                                   tuple(spec.cuda_graph_buckets))
-            return
         try:
             self.info = self._start(init_timeout_s, cpus_per_worker)
             # Compiled-graph workers spin a core while waiting: a win next to a GPU, a loss on a
@@ -69,25 +56,6 @@ class ReplicaGroup:
         except BaseException:
             self.shutdown()
             raise
-
-    @classmethod
-    def simulated(cls, spec: EngineSpec, cost_model: Any, num_kv_blocks: int, eos_token_id: int | None = None,
-                  placeholder_token_id: int = 1, include_host_time: bool = True) -> ReplicaGroup:
-        """The "sim" backend: a cost model (name, path or CostModel) behind the same interface.
-
-        By default the whole modelled step is slept, host overhead included, so the unit behaves
-        like the calibrated one the simulator runs (the router's own loop overhead then shows as
-        the gap between Serve and the simulator). `include_host_time=False` sleeps only the
-        device time, for a router whose loop stands in for the engine's host work.
-        """
-        from calibration.cost_model import CostModel
-        from calibration.sim_executor import SimExecutor
-
-        model = cost_model if isinstance(cost_model, CostModel) else CostModel.load(cost_model)
-        sim = SimExecutor(model if include_host_time else model.device_only(), eos_token_id=eos_token_id,
-                          placeholder_token_id=placeholder_token_id)
-        sim.num_kv_blocks = num_kv_blocks
-        return cls(spec, "sim", sim_executor=sim)
 
     # ---- start-up --------------------------------------------------------------------------
     def _start(self, timeout_s: float, cpus_per_worker: float) -> EngineInfo:
@@ -166,13 +134,16 @@ class ReplicaGroup:
         """Decode batch sizes with a captured graph: the scheduler's `cuda_graph_buckets`."""
         return self.info.cuda_graph_buckets
 
+    @property
+    def worker_names(self) -> tuple[str, ...]:
+        """The workers' Ray actor names (`{prefix}-r{rank}`); () when they are unnamed."""
+        if not self.name_prefix:
+            return ()
+        return tuple(f"{self.name_prefix}-r{r}" for r in range(len(self.workers)))
+
     # ---- steps ------------------------------------------------------------------------------
     async def execute(self, plan: StepPlan) -> StepResult:
         """Run one plan on every rank; rank 0's result. Raises WorkerFailure, never hangs."""
-        if self._sim is not None:
-            result: StepResult = self._sim.execute(plan)
-            await asyncio.sleep(result.device_time_s)
-            return result
         try:
             if self._dag is not None:
                 futures = await self._dag.execute_async(plan)
@@ -186,10 +157,6 @@ class ReplicaGroup:
 
     def execute_blocking(self, plan: StepPlan) -> StepResult:
         """The synchronous form (offline engine); plain actor calls only."""
-        if self._sim is not None:
-            result: StepResult = self._sim.execute(plan)
-            time.sleep(result.device_time_s)
-            return result
         if self._dag is not None:
             raise RuntimeError("a replica built with compiled_graph=True is driven through `await execute()`")
         refs = [w.execute.remote(plan) for w in self.workers]
@@ -218,8 +185,6 @@ class ReplicaGroup:
 
     # ---- health and teardown ---------------------------------------------------------------
     def check_health(self, timeout_s: float = 10.0) -> None:
-        if self._sim is not None:
-            return
         try:
             ray.get([w.check_health.remote() for w in self.workers], timeout=timeout_s)
         except (GetTimeoutError, RayActorError, RayError) as exc:

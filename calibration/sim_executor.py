@@ -11,7 +11,7 @@ why only prefilling requests have their known length tracked (a request that is 
 `prefill_context` is a decode by the contract, and a decode always samples).
 
 It never sleeps: the discrete-event simulator advances a virtual clock by `device_time_s`,
-and the Serve "sim" backend (actors/replica.py) sleeps that time itself.
+and the Serve "sim" backend (calibration/simulated_replica.py) sleeps that time itself.
 
 Must not import: ray, torch, numpy, asyncio, or read the wall clock.
 """
@@ -28,11 +28,9 @@ class SimExecutor:
     `expect(rid, n)` makes the n-th output of `rid` the EOS token (a stop before max_tokens);
     the scheduler ends it with reason "stop" if EOS is among the request's stop tokens. The
     expectation is dropped once EOS is emitted; `forget` drops it earlier (an abort).
-    `num_kv_blocks` is what a replica group reports to its scheduler (set by the driver).
     """
 
-    __slots__ = ("_expected", "_prefilling", "cost_model", "eos_token_id", "num_kv_blocks", "num_steps",
-                 "placeholder_token_id")
+    __slots__ = ("_expected", "_prefilling", "cost_model", "eos_token_id", "num_steps", "placeholder_token_id")
 
     def __init__(self, cost_model: CostModel, placeholder_token_id: int = 1,
                  eos_token_id: int | None = None) -> None:
@@ -41,7 +39,6 @@ class SimExecutor:
         self.cost_model = cost_model
         self.placeholder_token_id = placeholder_token_id
         self.eos_token_id = eos_token_id
-        self.num_kv_blocks: int | None = None
         self.num_steps = 0
         self._prefilling: dict[str, int] = {}  # request id -> known tokens, while its prompt is computed
         self._expected: dict[str, list[int]] = {}  # request id -> [outputs at which EOS comes, outputs so far]

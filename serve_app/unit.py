@@ -1,7 +1,8 @@
 """The ServingUnit deployment: one serving unit = one core Scheduler + one replica group.
 
-Owns: `ServingUnit` (Serve deployment glue around `EngineLoop`): builds the replica group (TP
-workers running the model, or the simulated GPU), sizes the scheduler from it, streams tokens
+Owns: `ServingUnit` (Serve deployment glue around `EngineLoop`) and `build_replica_group`:
+builds the unit's executor (a `ReplicaGroup` of TP workers running the model, or the simulated
+GPU, `calibration.simulated_replica.SimulatedReplica`), sizes the scheduler from it, streams tokens
 to the ingress, reports routing and autoscaling stats, and fails its health check when the
 engine died so Serve rebuilds the unit. No policy decision is made here.
 """
@@ -15,7 +16,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
@@ -26,6 +27,10 @@ from serve_app.unit_api import GenerateChunk, GenerateRequest, ModelInfo
 from tidal_core import Scheduler
 from tidal_core.config import ServicePrior
 
+if TYPE_CHECKING:
+    from actors.replica import ReplicaGroup
+    from calibration.simulated_replica import SimulatedReplica
+
 log = logging.getLogger("tidalserve.unit")
 
 SIM_PLACEHOLDER_TOKEN = 260
@@ -34,9 +39,26 @@ vocabularies), so streamed text is visible and TTFT is measurable by any client.
 
 
 def build_replica_group(engine: EngineArgs, max_num_batched_tokens: int, buckets: tuple[int, ...],
-                        name_prefix: str | None = None) -> Any:
-    """The executor of one unit and the service prior for its scheduler."""
-    from actors.replica import ReplicaGroup
+                        name_prefix: str | None = None) -> tuple[ReplicaGroup | SimulatedReplica, ServicePrior | None]:
+    """The executor of one unit and the service prior for its scheduler.
+
+    `backend: sim` gets a `SimulatedReplica` (the cost model in this process, no Ray workers, and
+    the cost model's own service prior); `backend: hf` a Ray `ReplicaGroup` of `tp` workers
+    running the model (the scheduler's default prior).
+    """
+    if engine.backend == "sim":
+        from calibration.cost_model import CostModel
+        from calibration.simulated_replica import SimulatedReplica
+        from calibration.unit_sizing import kv_cache_blocks
+
+        assert engine.cost_model is not None
+        cost = CostModel.load(engine.cost_model)
+        num_blocks = engine.sim_num_kv_blocks or kv_cache_blocks(tp=cost.tp, block_size=engine.block_size)
+        sim = SimulatedReplica.from_cost_model(cost, num_blocks, block_size=engine.block_size,
+                                               max_model_len=engine.max_model_len, cuda_graph_buckets=buckets,
+                                               placeholder_token_id=SIM_PLACEHOLDER_TOKEN)
+        return sim, cost.service_prior()
+    from actors.replica import ReplicaGroup  # imports torch: only for the real model
     from actors.worker_setup import EngineSpec
 
     spec = EngineSpec(model=engine.model, tp=engine.tp, device=engine.device, dtype=engine.dtype,
@@ -44,17 +66,8 @@ def build_replica_group(engine: EngineArgs, max_num_batched_tokens: int, buckets
                       max_num_batched_tokens=max_num_batched_tokens, kv_cache_gb=engine.kv_cache_gb,
                       gpu_memory_utilization=engine.gpu_memory_utilization, cuda_graph_buckets=buckets,
                       enforce_eager=engine.enforce_eager)
-    if engine.backend == "sim":
-        from calibration.cost_model import CostModel
-        from calibration.unit_sizing import kv_cache_blocks
-
-        assert engine.cost_model is not None
-        cost = CostModel.load(engine.cost_model)
-        num_blocks = engine.sim_num_kv_blocks or kv_cache_blocks(tp=cost.tp, block_size=engine.block_size)
-        group = ReplicaGroup.simulated(spec, cost, num_blocks, placeholder_token_id=SIM_PLACEHOLDER_TOKEN)
-        return group, cost.service_prior()
-    group = ReplicaGroup(spec, backend="hf", step_timeout_s=engine.step_timeout_s,
-                         compiled_graph=engine.compiled_graph, name_prefix=name_prefix)
+    group = ReplicaGroup(spec, step_timeout_s=engine.step_timeout_s, compiled_graph=engine.compiled_graph,
+                         name_prefix=name_prefix)
     return group, None
 
 
@@ -123,8 +136,7 @@ class ServingUnit:
         if check:
             self.scheduler.check_integrity()
         s = self.scheduler
-        workers = [f"{self.group.name_prefix}-r{r}" for r in range(len(self.group.workers))] \
-            if self.group.name_prefix else []
+        workers = list(self.group.worker_names)
         return {**self._stats(), "unit": self.unit, "healthy": self.loop.healthy, "failure": self.loop.failure,
                 "pid": os.getpid(), "workers": workers,
                 "num_free_blocks": s.blocks.num_free_blocks, "num_blocks": s.blocks.num_blocks,

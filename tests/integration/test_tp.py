@@ -65,10 +65,12 @@ def test_tp2_equals_tp1_tiny_and_dead_worker_fails_fast(ray_cluster: None, tiny_
     import ray
 
     expected = generate_ids(local_executor(tiny_path), PROMPTS, GREEDY)
-    group = _group(tiny_path)
+    group = _group(tiny_path, name_prefix="tidal-tp-test")
     try:
         assert _engine_tokens(group, PROMPTS) == expected
         group.check_health()
+        assert group.worker_names == ("tidal-tp-test-r0", "tidal-tp-test-r1")
+        assert ray.get_actor("tidal-tp-test-r1") == group.workers[1]  # the names operators kill by
         ray.kill(group.workers[1])
         new = NewRequestData("x", PROMPTS[0], 5, GREEDY, [0])
         plan = StepPlan(1, {"x": 5}, {"x": 0}, [new], {}, [], 0, 5, 0, None)
@@ -111,17 +113,3 @@ def test_compiled_graph_transport_matches(ray_cluster: None, tiny_path: Path) ->
 
     assert asyncio.run(run()) == expected
 
-
-def test_sim_backend_sleeps_the_modelled_time() -> None:
-    """No Ray needed: the simulated GPU behind the same replica interface."""
-    pytest.importorskip("calibration.sim_executor", reason="the simulated executor ships with the cost model")
-    from actors.worker_setup import EngineSpec
-
-    group = ReplicaGroup.simulated(EngineSpec(max_model_len=4096), "a100-llama70b-tp8", num_kv_blocks=1024)
-    assert group.num_kv_blocks == 1024 and group.max_model_len == 4096
-    new = NewRequestData("s", None, 512, GREEDY, list(range(32)))
-    plan = StepPlan(1, {"s": 512}, {"s": 0}, [new], {}, [], 0, 512, 0, None)
-    result = asyncio.run(group.execute(plan))
-    assert set(result.sampled_token_ids) == {"s"} and result.device_time_s > 0
-    group.check_health()
-    group.shutdown()

@@ -1,0 +1,37 @@
+"""build_replica_group: `backend: sim` gets the simulated GPU, sized and primed from its cost model."""
+
+from __future__ import annotations
+
+import asyncio
+
+from calibration.cost_model import CostModel
+from calibration.simulated_replica import SimulatedReplica
+from calibration.unit_sizing import kv_cache_blocks
+from serve_app.config_loader import EngineArgs
+from serve_app.unit import SIM_PLACEHOLDER_TOKEN, build_replica_group
+from tidal_core import SamplingParams
+from tidal_core.plan import NewRequestData, StepPlan
+
+NAME = "a100-llama70b-tp8"
+
+
+def test_sim_backend_builds_a_simulated_replica_with_the_cost_models_prior() -> None:
+    engine = EngineArgs(backend="sim", cost_model=NAME, tp=8, max_model_len=8192, block_size=16)
+    group, prior = build_replica_group(engine, 2048, (1, 2, 4, 8), "unused-prefix")
+    cost = CostModel.load(NAME)
+    assert isinstance(group, SimulatedReplica)
+    assert prior == cost.service_prior()
+    assert group.num_kv_blocks == kv_cache_blocks(tp=cost.tp, block_size=16)
+    assert (group.block_size, group.max_model_len, group.cuda_graph_buckets) == (16, 8192, (1, 2, 4, 8))
+    assert group.eos_token_ids == () and group.worker_names == ()
+    new = NewRequestData("a", None, 4, SamplingParams(max_tokens=2), [0])
+    plan = StepPlan(1, {"a": 4}, {"a": 0}, [new], {}, [], 0, 4, 0, None)
+    result = asyncio.run(group.execute(plan))
+    assert result.sampled_token_ids == {"a": SIM_PLACEHOLDER_TOKEN}
+    assert result.device_time_s == cost.plan_time_s(plan)  # the whole modelled step, host time included
+
+
+def test_sim_num_kv_blocks_overrides_the_sized_pool() -> None:
+    engine = EngineArgs(backend="sim", cost_model=NAME, sim_num_kv_blocks=300)
+    group, _ = build_replica_group(engine, 2048, ())
+    assert isinstance(group, SimulatedReplica) and group.num_kv_blocks == 300
