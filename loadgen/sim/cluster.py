@@ -4,28 +4,22 @@ Owns: `Fleet` — which units exist, which are provisioning (a new unit serves o
 `provisioning_s`, the time to get GPU nodes and load weights), which are draining (no new
 requests; retired once empty), and their GPU-time intervals. Routing calls
 `tidal_core.choose_unit`; scaling calls `tidal_core.decide`: no policy code here.
+Imports the unit and the config; must not import the event loop (loadgen.sim.simulation).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tidal_core import AutoscaleObservation, AutoscaleState, UnitLoad, choose_unit, decide
-
-if TYPE_CHECKING:
-    from loadgen.sim.simulation import SimConfig, Unit
-
-
-def unit_load(unit: Unit, now: float) -> UnitLoad:
-    return unit.sched.snapshot(now, str(unit.uid))
+from loadgen.sim.config import SimConfig
+from loadgen.sim.unit import Unit, unit_load
+from tidal_core import AutoscaleObservation, AutoscaleState, choose_unit, decide
 
 
 class Fleet:
-    def __init__(self, config: SimConfig, make_unit: Callable[[int, float, float], Unit], rng: random.Random) -> None:
+    def __init__(self, config: SimConfig, rng: random.Random) -> None:
         self.config = config
-        self._make_unit = make_unit
         self.rng = rng
         self.units: dict[int, Unit] = {}
         self.retired: list[Unit] = []
@@ -41,7 +35,7 @@ class Fleet:
     def _spawn(self, now: float, ready: float) -> None:
         uid = self._next_uid
         self._next_uid += 1
-        self.units[uid] = self._make_unit(uid, now, ready)
+        self.units[uid] = Unit(uid, self.config, now, ready)
 
     def all_units(self) -> list[Unit]:
         return [*self.retired, *self.units.values()]

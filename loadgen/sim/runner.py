@@ -25,7 +25,8 @@ from calibration.unit_sizing import kv_cache_blocks
 from loadgen import plots
 from loadgen.records import Trace
 from loadgen.report import STATUS_NAMES, RunOutcomes, Slo, markdown_table, per_hour, summarize, write_json
-from loadgen.sim.simulation import SimConfig, SimRun, simulate
+from loadgen.sim.config import SimConfig
+from loadgen.sim.simulation import SimRun, simulate
 from tidal_core import AutoscaleConfig, SchedulerConfig, preset
 
 

@@ -1,8 +1,11 @@
 """Discrete-event simulation of serving units driving the real Scheduler on a virtual clock.
 
-Owns: `SimConfig`, `Unit` (one serving unit: a core `Scheduler` + a simulated executor) and
-`simulate` (the event loop). Nothing here decides anything a policy decides: scheduling,
-admission, routing and autoscaling all call tidal_core, exactly as the Serve router does.
+Owns: `Simulation` (the event loop: arrivals, engine events, autoscale and sampling ticks, the
+summary), `simulate` (one call that runs it) and the run's records (`SimRun`, `StepSamples`).
+The unit lives in loadgen/sim/unit.py, the fleet in loadgen/sim/cluster.py, the config in
+loadgen/sim/config.py; this module sits on top of them and none of them imports it. Nothing here
+decides anything a policy decides: scheduling, admission, routing and autoscaling all call
+tidal_core, exactly as the Serve router does.
 
 Events are arrivals (read in order from the trace arrays), unit engine events (a step ends, or
 a micro-wait expires: a heap keyed by time then sequence number, so ties are broken
@@ -12,74 +15,31 @@ deterministically) and autoscale / sampling ticks. Same inputs and seed, same re
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from array import array
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from loadgen.records import Trace
-from loadgen.report import ERROR, OK, REJECTED, RunOutcomes, Slo
+from loadgen.report import ERROR, OK, REJECTED, RunOutcomes
 from loadgen.sim.cluster import Fleet
-from tidal_core import (
-    AutoscaleConfig,
-    Request,
-    Run,
-    SamplingParams,
-    Scheduler,
-    SchedulerConfig,
-    StepPlan,
-    StepResult,
-    WaitUntil,
-)
+from loadgen.sim.config import SimConfig
+from loadgen.sim.unit import Unit
+from tidal_core import Request, Run, SamplingParams, Scheduler, WaitUntil
 
 INF = math.inf
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    scheduler: SchedulerConfig
-    make_executor: Callable[[], Any]
-    slo: Slo = field(default_factory=Slo)
-    num_units: int = 1
-    gpus_per_unit: int = 8
-    autoscale: AutoscaleConfig | None = None
-    autoscale_interval_s: float = 10.0
-    provisioning_s: float = 300.0
-    sample_interval_s: float = 60.0
-    seed: int = 0
-
-
-class Unit:
-    """A serving unit in the simulation: its scheduler, executor and engine state."""
-
-    __slots__ = ("busy_s", "draining", "end_s", "executor", "inflight", "ready_s", "sched", "start_s", "token", "uid")
-
-    def __init__(self, uid: int, config: SimConfig, start_s: float, ready_s: float) -> None:
-        self.uid = uid
-        self.sched = Scheduler(config.scheduler, now=ready_s)
-        self.executor = config.make_executor()
-        self.inflight: tuple[StepPlan, StepResult] | None = None
-        self.token = 0  # invalidates a superseded engine event in the heap
-        self.start_s = start_s
-        self.ready_s = ready_s
-        self.end_s: float | None = None
-        self.draining = False
-        self.busy_s = 0.0
-
-    @property
-    def idle(self) -> bool:
-        return self.inflight is None and not self.sched.has_unfinished
+PROGRESS_EVERY = 10_000  # arrivals between two progress callbacks
 
 
 @dataclass
 class StepSamples:
-    batch_size: array = field(default_factory=lambda: array("H"))
-    wait_ms: array = field(default_factory=lambda: array("f"))
+    batch_size: array[int] = field(default_factory=lambda: array("H"))
+    wait_ms: array[float] = field(default_factory=lambda: array("f"))
     regime_changes: list[tuple[float, int, str]] = field(default_factory=list)
     timeline: list[dict[str, float]] = field(default_factory=list)
 
@@ -105,45 +65,73 @@ class _Recorder:
         self.n_out = np.zeros(n, np.int64)
 
 
-def simulate(trace: Trace, config: SimConfig, progress: Callable[[int], None] | None = None) -> SimRun:
-    arrivals = trace.arrival_s.tolist()
-    inputs = np.maximum(trace.input_tokens, 1).tolist()
-    outputs = np.maximum(trace.output_tokens, 1).tolist()
-    n = len(arrivals)
-    rec = _Recorder(trace)
-    samples = StepSamples()
-    fleet = Fleet(config, lambda uid, start, ready: Unit(uid, config, start, ready), random.Random(config.seed))
-    heap: list[tuple[float, int, int, int]] = []
-    seq = 0
-    regime_of: dict[int, str] = {}
+class Simulation:
+    """One run of a trace through a fleet: `run()` is the event loop, then `summarize()`."""
 
-    def kick(unit: Unit, now: float) -> None:
-        nonlocal seq
-        unit.token += 1
-        decision = unit.sched.schedule(now)
-        if type(decision) is Run:
-            plan = decision.plan
-            result = unit.executor.execute(plan)
-            unit.inflight = (plan, result)
-            unit.busy_s += result.device_time_s
-            samples.batch_size.append(plan.num_seqs)
-            stats = unit.sched.stats.last_step
-            samples.wait_ms.append(stats.wait_s * 1000.0 if stats else 0.0)
-            seq += 1
-            heapq.heappush(heap, (now + result.device_time_s, seq, unit.uid, unit.token))
-        elif type(decision) is WaitUntil:
-            seq += 1
-            heapq.heappush(heap, (decision.deadline_s, seq, unit.uid, unit.token))
-        regime = unit.sched.current_regime.value
-        if regime_of.get(unit.uid) != regime:
-            regime_of[unit.uid] = regime
-            samples.regime_changes.append((now, unit.uid, regime))
+    def __init__(self, trace: Trace, config: SimConfig, progress: Callable[[int], None] | None = None) -> None:
+        self.trace = trace
+        self.config = config
+        self.progress = progress
+        self.arrivals: list[float] = trace.arrival_s.tolist()
+        self.inputs: list[int] = np.maximum(trace.input_tokens, 1).tolist()
+        self.outputs: list[int] = np.maximum(trace.output_tokens, 1).tolist()
+        self.rec = _Recorder(trace)
+        self.samples = StepSamples()
+        self.fleet = Fleet(config, random.Random(config.seed))
+        self.heap: list[tuple[float, int, int, int]] = []  # (time, seq, unit id, unit token)
+        self._seq = itertools.count(1)
+        self._regime_of: dict[int, str] = {}
 
-    def on_engine_event(unit: Unit, now: float) -> None:
+    def run(self) -> SimRun:
+        """Take the earliest of: a sample, an autoscale tick, an arrival, an engine event."""
+        arrivals, heap, config, progress = self.arrivals, self.heap, self.config, self.progress
+        n = len(arrivals)
+        i = 0
+        next_tick = config.autoscale_interval_s if config.autoscale else INF
+        next_sample = 0.0
+        while True:
+            t_arr = arrivals[i] if i < n else INF
+            t_evt = heap[0][0] if heap else INF
+            if t_arr == INF and t_evt == INF:
+                break
+            if next_sample <= min(t_arr, t_evt):
+                self.samples.timeline.append(self.fleet.snapshot(next_sample))
+                next_sample += config.sample_interval_s
+            elif next_tick <= min(t_arr, t_evt):
+                self.on_autoscale_tick(next_tick)
+                next_tick += config.autoscale_interval_s
+            elif t_arr <= t_evt:
+                self.on_arrival(i, t_arr)
+                i += 1
+                if progress is not None and i % PROGRESS_EVERY == 0:
+                    progress(PROGRESS_EVERY)
+            else:
+                _, _, uid, token = heapq.heappop(heap)
+                self.on_engine_event(uid, token, t_evt)
+        if progress is not None:
+            progress(n % PROGRESS_EVERY)
+        return self.summarize()
+
+    def on_arrival(self, i: int, now: float) -> None:
+        """Route request `i`; admission may reject it; an idle or waiting unit re-decides."""
+        unit = self.fleet.route(now)
+        req = Request(str(i), self.inputs[i], SamplingParams(max_tokens=self.outputs[i], ignore_eos=True), now)
+        if unit is None or unit.sched.add_request(req, now) is not None:
+            self.rec.status[i] = REJECTED
+            return
+        if unit.inflight is None:  # idle, or in a micro-wait: the arrival may change the decision
+            self.kick(unit, now)
+
+    def on_engine_event(self, uid: int, token: int, now: float) -> None:
+        """A unit's step ended or its micro-wait expired: record outputs, schedule again."""
+        unit = self.fleet.units[uid]
+        if token != unit.token:  # superseded by a later kick
+            return
         if unit.inflight is not None:
             plan, result = unit.inflight
             unit.inflight = None
             out = unit.sched.on_step_done(plan, result, now)
+            rec, arrivals = self.rec, self.arrivals
             for rid in out.first_token_ids:
                 idx = int(rid)
                 rec.ttft[idx] = now - arrivals[idx]
@@ -152,56 +140,50 @@ def simulate(trace: Trace, config: SimConfig, progress: Callable[[int], None] | 
                 rec.e2e[idx] = now - arrivals[idx]
                 rec.n_out[idx] = len(req.output_token_ids)
                 rec.status[idx] = OK
-        kick(unit, now)
+        self.kick(unit, now)
+        self.fleet.maybe_retire(unit, now)
 
-    def on_arrival(i: int, now: float) -> None:
-        unit = fleet.route(now)
-        req = Request(str(i), inputs[i], SamplingParams(max_tokens=outputs[i], ignore_eos=True), now)
-        if unit is None or unit.sched.add_request(req, now) is not None:
-            rec.status[i] = REJECTED
-            return
-        if unit.inflight is None:  # idle, or in a micro-wait: the arrival may change the decision
-            kick(unit, now)
+    def on_autoscale_tick(self, now: float) -> None:
+        """One autoscaling decision; draining units with work left are kicked."""
+        for unit in self.fleet.tick(now):
+            if unit.inflight is None and unit.sched.has_unfinished:
+                self.kick(unit, now)
 
-    i = 0
-    next_tick = config.autoscale_interval_s if config.autoscale else INF
-    next_sample = 0.0
-    while True:
-        t_arr = arrivals[i] if i < n else INF
-        t_evt = heap[0][0] if heap else INF
-        if t_arr == INF and t_evt == INF:
-            break
-        if next_sample <= min(t_arr, t_evt):
-            samples.timeline.append(fleet.snapshot(next_sample))
-            next_sample += config.sample_interval_s
-            continue
-        if next_tick <= min(t_arr, t_evt):
-            for unit in fleet.tick(next_tick):
-                if unit.inflight is None and unit.sched.has_unfinished:
-                    kick(unit, next_tick)
-            next_tick += config.autoscale_interval_s
-            continue
-        if t_arr <= t_evt:
-            on_arrival(i, t_arr)
-            i += 1
-            if progress is not None and i % 10_000 == 0:
-                progress(10_000)
-        else:
-            _, _, uid, token = heapq.heappop(heap)
-            unit = fleet.units[uid]
-            if token == unit.token:
-                on_engine_event(unit, t_evt)
-                fleet.maybe_retire(unit, t_evt)
-    if progress is not None:
-        progress(n % 10_000)
-    end = max(trace.duration_s, max((u.end_s or 0.0) for u in fleet.units.values()) if fleet.units else 0.0,
-              float(np.nanmax(rec.arrival + rec.e2e)) if n and np.isfinite(rec.e2e).any() else 0.0)
-    intervals = fleet.close(end)
-    gpu_hours = sum(b - a for a, b in intervals) * config.gpus_per_unit / 3600.0
-    counters = _merge_counters([u.sched for u in fleet.all_units()])
-    outcomes = RunOutcomes(rec.arrival, trace.input_tokens, rec.n_out, rec.status, rec.ttft, rec.e2e,
-                           float(trace.duration_s), gpu_hours, counters["preempted"].get("kv_exhausted", 0))
-    return SimRun(outcomes, samples, intervals, {k: dict(v) for k, v in counters.items()})
+    def kick(self, unit: Unit, now: float) -> None:
+        """Ask the unit's scheduler what to do now and queue the engine event it implies."""
+        unit.token += 1
+        decision = unit.sched.schedule(now)
+        if type(decision) is Run:
+            plan = decision.plan
+            result = unit.executor.execute(plan)
+            unit.inflight = (plan, result)
+            unit.busy_s += result.device_time_s
+            self.samples.batch_size.append(plan.num_seqs)
+            stats = unit.sched.stats.last_step
+            self.samples.wait_ms.append(stats.wait_s * 1000.0 if stats else 0.0)
+            heapq.heappush(self.heap, (now + result.device_time_s, next(self._seq), unit.uid, unit.token))
+        elif type(decision) is WaitUntil:
+            heapq.heappush(self.heap, (decision.deadline_s, next(self._seq), unit.uid, unit.token))
+        regime = unit.sched.current_regime.value
+        if self._regime_of.get(unit.uid) != regime:
+            self._regime_of[unit.uid] = regime
+            self.samples.regime_changes.append((now, unit.uid, regime))
+
+    def summarize(self) -> SimRun:
+        """Close the fleet at the last event; outcomes, GPU hours and the merged counters."""
+        trace, rec, fleet = self.trace, self.rec, self.fleet
+        last_unit_end = max((u.end_s or 0.0) for u in fleet.units.values()) if fleet.units else 0.0
+        last_finish = float(np.nanmax(rec.arrival + rec.e2e)) if len(trace) and np.isfinite(rec.e2e).any() else 0.0
+        intervals = fleet.close(max(trace.duration_s, last_unit_end, last_finish))
+        gpu_hours = sum(b - a for a, b in intervals) * self.config.gpus_per_unit / 3600.0
+        counters = _merge_counters([u.sched for u in fleet.all_units()])
+        outcomes = RunOutcomes(rec.arrival, trace.input_tokens, rec.n_out, rec.status, rec.ttft, rec.e2e,
+                               float(trace.duration_s), gpu_hours, counters["preempted"].get("kv_exhausted", 0))
+        return SimRun(outcomes, self.samples, intervals, {k: dict(v) for k, v in counters.items()})
+
+
+def simulate(trace: Trace, config: SimConfig, progress: Callable[[int], None] | None = None) -> SimRun:
+    return Simulation(trace, config, progress).run()
 
 
 def _merge_counters(scheds: list[Scheduler]) -> dict[str, Counter[str]]:

@@ -14,8 +14,9 @@ import loadgen
 from calibration.cost_model import CostModel
 from loadgen.records import Trace
 from loadgen.report import ERROR, OK, REJECTED, Slo, summarize
+from loadgen.sim.config import SimConfig
 from loadgen.sim.runner import RunSpec, executor_factory, run_policy, unit_config
-from loadgen.sim.simulation import SimConfig, simulate
+from loadgen.sim.simulation import simulate
 from loadgen.traces import load_trace
 from tidal_core import POLICIES, AutoscaleConfig, Scheduler, preset
 

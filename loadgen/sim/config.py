@@ -1,0 +1,28 @@
+"""What one simulation run is: the unit's scheduler config, its executor factory, the fleet.
+
+Owns: `SimConfig`, a frozen record read by the unit, the fleet and the event loop. It names
+no simulator module, so any of them may import it; it must not import loadgen.sim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from loadgen.report import Slo
+from tidal_core import AutoscaleConfig, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    scheduler: SchedulerConfig
+    make_executor: Callable[[], Any]
+    slo: Slo = field(default_factory=Slo)
+    num_units: int = 1
+    gpus_per_unit: int = 8
+    autoscale: AutoscaleConfig | None = None
+    autoscale_interval_s: float = 10.0
+    provisioning_s: float = 300.0
+    sample_interval_s: float = 60.0
+    seed: int = 0
