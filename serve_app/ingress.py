@@ -37,10 +37,9 @@ from starlette.types import Receive, Scope, Send
 
 from serve_app.openai.errors import OpenAIError, server_error, unavailable
 from serve_app.openai.http_limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, error_response
-from serve_app.openai.protocol import (
-    ChatCompletionRequest,
+from serve_app.openai.requests import ChatCompletionRequest, CompletionRequest
+from serve_app.openai.responses import (
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     HealthResponse,

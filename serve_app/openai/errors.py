@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from serve_app.openai.protocol import ErrorInfo, ErrorResponse
+from serve_app.openai.responses import ErrorInfo, ErrorResponse
 from serve_app.unit_api import EngineError
 
 DEFAULT_RETRY_AFTER_S = 1.0

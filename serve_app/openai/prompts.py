@@ -16,7 +16,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from serve_app.openai.errors import bad_request
-from serve_app.openai.protocol import ChatMessage
+from serve_app.openai.requests import ChatMessage
 
 
 class PromptBuilder:

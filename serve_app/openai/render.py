@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from serve_app.openai.detokenizer import TokenStrings
 from serve_app.openai.errors import OpenAIError
 from serve_app.openai.output_text import TextStep, TokenLogprob
-from serve_app.openai.protocol import (
+from serve_app.openai.responses import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionResponse,

@@ -29,16 +29,9 @@ from serve_app.openai.detokenizer import TokenStrings
 from serve_app.openai.errors import OpenAIError, bad_request, server_error
 from serve_app.openai.output_text import OutputText, TokenLogprob
 from serve_app.openai.prompts import PromptBuilder
-from serve_app.openai.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    ModelCard,
-    ModelList,
-    SamplingFields,
-)
 from serve_app.openai.render import DONE_EVENT, ChatRenderer, CompletionRenderer, error_event, sse_event
+from serve_app.openai.requests import ChatCompletionRequest, CompletionRequest, SamplingFields
+from serve_app.openai.responses import ChatCompletionResponse, CompletionResponse, ModelCard, ModelList
 from serve_app.unit_api import GenerateChunk, GenerateRequest
 from serve_app.unit_stream import EngineClient, EngineStream, open_stream
 from tidal_core.request import SamplingParams

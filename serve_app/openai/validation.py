@@ -1,8 +1,8 @@
 """Request validation messages: shape checks for union-typed fields and pydantic errors -> one
 OpenAI error.
 
-Owns: the "before" validators of `openai_protocol` (prompt, stop, message role/content): each raises
-one error whose message says what the field may hold; without them pydantic reports one error per
+Owns: the "before" validators of `serve_app.openai.requests` (prompt, stop, message role/content):
+each raises one error whose message says what the field may hold; without them pydantic reports one error per
 union member ("prompt.str: ...; prompt.list[int]: ..."), naming types instead of the mistake. And
 `format_validation_errors`, which turns pydantic's (or FastAPI's) error list into one message that
 names the parameter, plus the `param` path and a machine `code`.

@@ -28,11 +28,6 @@ BASE = SchedulerConfig(max_batch_size=32, max_num_batched_tokens=256, max_model_
                        num_kv_blocks=4096, cuda_graph_buckets=(1, 2, 4, 8, 16, 32))
 
 
-@pytest.fixture(scope="module")
-def cost() -> CostModel:
-    return CostModel.load("a100-llama70b-tp8")
-
-
 @dataclass
 class Drive:
     rejected: set[str] = field(default_factory=set)

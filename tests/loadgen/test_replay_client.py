@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import math
 import socket
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -20,12 +19,6 @@ from loadgen.client import (
     send_request,
 )
 from tests.loadgen.replay_fake_server import Behavior, FakeServer
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[FakeServer]:
-    with FakeServer() as srv:
-        yield srv
 
 
 def _send(server: FakeServer, behavior: Behavior, spec: RequestSpec, **cfg: object) -> RequestResult:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +19,6 @@ from loadgen.records import Trace
 from loadgen.replay import ReplayConfig, ReplayReport, pool_shards_for, replay, replay_async
 from loadgen.report import SUMMARY_KEYS, RunOutcomes, Slo, per_hour, summarize
 from tests.loadgen.replay_fake_server import Behavior, FakeServer
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[FakeServer]:
-    with FakeServer() as srv:
-        yield srv
 
 
 def _trace(n: int, rps: float, output_tokens: int | list[int] = 4) -> Trace:

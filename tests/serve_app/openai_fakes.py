@@ -1,5 +1,6 @@
 """Test seams for the OpenAI layer: the real SmolLM2 tokenizer (loaded once per process) and a
-scripted `EngineClient` that behaves like the router at its boundary.
+scripted `EngineClient` that behaves like the router at its boundary, and the ingress app built on
+it in-process (`make_app`, reached through httpx's ASGI transport with `client`).
 
 The fake replies with the token ids of a fixed text (plus EOS unless `ignore_eos`), honours
 `max_tokens`, can fail first or mid-stream, can stream forever, and records whether each
@@ -18,10 +19,13 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import httpx
+
 from serve_app.unit_api import EngineError, GenerateChunk, GenerateRequest, ModelInfo
 
 MODEL = "smollm2-135m-instruct"
 EOS = 2  # <|im_end|>
+CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 
 
 @functools.cache
@@ -106,3 +110,24 @@ class FakeEngine:
             part = ids[start:start + self.tokens_per_chunk]
             last = start + self.tokens_per_chunk >= len(ids)
             yield GenerateChunk(part, finish if last else None, self._logprobs(part, request), n)
+
+
+def make_app(tok: Any, max_body_bytes: int = 4 * 1024 * 1024, **engine_kw: Any) -> tuple[Any, FakeEngine]:
+    from serve_app.ingress import build_app
+    from serve_app.openai.server import OpenAIServer
+
+    engine = FakeEngine(tok, **engine_kw)
+    return build_app(OpenAIServer(engine, tok, model_aliases=["smol"]), max_body_bytes), engine
+
+
+def client(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ingress")
+
+
+def assert_openai_error(resp: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    assert resp.headers["content-type"].startswith("application/json")
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["param"] == param
+    return dict(body["error"])

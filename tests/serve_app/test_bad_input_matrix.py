@@ -18,10 +18,6 @@ from typing import Any
 import httpx
 import pytest
 
-from serve_app.ingress import build_app
-from serve_app.openai.server import OpenAIServer
-from tests.serve_app.openai_fakes import FakeEngine, smollm2_tokenizer
-
 JSON = {"content-type": "application/json"}
 OK = {"prompt": "Hi", "max_tokens": 2}
 DEPTH = 100_000
@@ -144,12 +140,6 @@ def check_answer(response: httpx.Response, allowed: set[int], fragment: str | No
 async def _achunked(body: Iterator[bytes]) -> AsyncIterator[bytes]:
     for piece in body:
         yield piece
-
-
-@pytest.fixture(scope="module")
-def app() -> Any:
-    tok = smollm2_tokenizer()
-    return build_app(OpenAIServer(FakeEngine(tok), tok))
 
 
 @pytest.mark.anyio

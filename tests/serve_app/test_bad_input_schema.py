@@ -30,22 +30,12 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
-from serve_app.ingress import build_app  # noqa: E402
-from serve_app.openai.server import OpenAIServer  # noqa: E402
-from tests.serve_app.openai_fakes import FakeEngine, smollm2_tokenizer  # noqa: E402
-
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # starlette test client on per-request cookies
 MODES = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
 FUZZ_EXAMPLES = {"/v1/completions": 60, "/v1/chat/completions": 30}  # per mode; chat cases cost ~4x to generate
 MIN_CASES = 500
 MIN_POSITIVE_ACCEPTED = 1 / 3  # share of schema-valid generated requests that must get 200 (in-process)
 BASE = "http://testserver"
-
-
-@pytest.fixture(scope="module")
-def app() -> Any:
-    tok = smollm2_tokenizer()
-    return build_app(OpenAIServer(FakeEngine(tok), tok))
 
 
 @pytest.fixture(scope="module")

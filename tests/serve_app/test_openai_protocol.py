@@ -12,11 +12,10 @@ import openai.types.chat as oai_chat
 import pytest
 from pydantic import ValidationError
 
-from serve_app.openai.protocol import (
-    ChatCompletionRequest,
+from serve_app.openai.requests import ChatCompletionRequest, CompletionRequest
+from serve_app.openai.responses import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
-    CompletionRequest,
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,

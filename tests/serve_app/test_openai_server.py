@@ -15,24 +15,14 @@ from hypothesis import strategies as st
 from serve_app.openai.detokenizer import IncrementalDetokenizer
 from serve_app.openai.errors import OpenAIError
 from serve_app.openai.output_text import OutputText, StopStringBuffer
-from serve_app.openai.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.openai.render import DONE_EVENT
+from serve_app.openai.requests import ChatCompletionRequest, CompletionRequest
 from serve_app.openai.server import EventStream, OpenAIServer
 from serve_app.unit_api import EngineError, GenerateChunk
-from tests.serve_app.openai_fakes import EOS, MODEL, FakeEngine, smollm2_tokenizer
+from tests.serve_app.openai_fakes import EOS, MODEL, FakeEngine
 
 pytestmark = pytest.mark.anyio
 MULTIBYTE = ["héllo 😀 世界 ok", "日本語のテキスト🎉🎉 and 👨‍👩‍👧 family", "naïve café — ½ ∑ 𝔘𝔫𝔦", "a\n\n\tb  c"]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return smollm2_tokenizer()
 
 
 def server_for(tok: Any, **engine_kw: Any) -> tuple[OpenAIServer, FakeEngine]:

@@ -1,8 +1,9 @@
-"""The OpenAI API on the wire: pydantic v2 models for `/v1/completions`, `/v1/chat/completions`,
-`/v1/models` and the error body.
+"""The OpenAI API's requests on the wire: pydantic v2 models for `/v1/completions` and
+`/v1/chat/completions` and the field types they share.
 
-Owns: request models (types, ranges, the parameters we refuse and why), response and stream-chunk
-models in OpenAI's shapes. The shape checks and error messages live in `openai_validation`.
+Owns: request models (types, ranges, the parameters we refuse and why). The shape checks and error
+messages live in `serve_app.openai.validation`; the response, stream-chunk, model-list and error
+models in `serve_app.openai.responses`.
 
 Field types are strict (a JSON string is not a number, 1 is not `true`) and floats reject
 NaN/Infinity: OpenAI rejects these too, and silently coercing them hides client bugs. Unknown
@@ -26,7 +27,6 @@ from pydantic import (
     StrictStr,
     WithJsonSchema,
     field_validator,
-    model_serializer,
 )
 from pydantic_core import PydanticCustomError
 
@@ -275,130 +275,3 @@ class ChatCompletionRequest(SamplingFields):
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-# ---- responses -----------------------------------------------------------------------------
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(BaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatChoiceLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-    refusal: list[ChatTokenLogprob] | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    refusal: str | None = None
-
-
-class ChatCompletionChoice(BaseModel):
-    index: int = 0
-    message: ChatResponseMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer
-    def _only_set(self) -> dict[str, Any]:
-        # OpenAI's deltas carry only what changed: {"role": ..., "content": ""}, {"content": "x"}, {}.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
-
-
-class ChatCompletionStreamChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-
-
-class ChatCompletionStreamResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "tidalserve"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-class HealthResponse(BaseModel):
-    status: Literal["ok", "unavailable"]
