@@ -19,11 +19,6 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 NAME = "a100-llama70b-tp8"
 
 
-@pytest.fixture(scope="module")
-def cost() -> CostModel:
-    return CostModel.load(NAME)
-
-
 def prefill_plan(rid: str = "s", tokens: int = 512) -> StepPlan:
     new = NewRequestData(rid, None, tokens, GREEDY, list(range(32)))
     return StepPlan(1, {rid: tokens}, {rid: 0}, [new], {}, [], 0, tokens, 0, None)

@@ -24,11 +24,6 @@ GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden" / "azure-co
 
 
 @pytest.fixture(scope="module")
-def cost() -> CostModel:
-    return CostModel.load("a100-llama70b-tp8")
-
-
-@pytest.fixture(scope="module")
 def trace() -> Trace:
     # Ten minutes of the real Azure conversation trace, at twice its rate: one unit is pushed
     # into overload, so admission, queueing and chunking all happen.
