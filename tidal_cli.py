@@ -7,12 +7,13 @@ import importlib
 import sys
 
 COMMAND_MODULES = (
-    "serve_app.cli",             # bench
-    "calibration.fit",     # fit-cost-model
+    "loadgen.sim.bench",         # bench
+    "serve_app.cli",             # check-config
+    "calibration.fit",           # fit-cost-model
     "actors.generate",           # generate
     "actors.profiler",           # profile
     "loadgen.cli",               # simulate, study, replay, compare
-    "ops.cli",         # k8s, dashboards
+    "ops.cli",                   # k8s, dashboards
 )
 
 

@@ -1,4 +1,4 @@
-"""`tidal` subcommands owned by serve_app: bench, check-config."""
+"""`tidal check-config`, the one subcommand owned by serve_app (`tidal bench` is loadgen.sim.bench's)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,6 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from loadgen.sim.bench import register as register_bench
-
-    register_bench(sub)
     p = sub.add_parser("check-config", help="strictly validate Serve config files (unknown keys, bounds, args)")
     p.add_argument("files", nargs="+")
     p.set_defaults(func=_check_config)

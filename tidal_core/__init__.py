@@ -3,7 +3,7 @@
 Standard library only. No ray, torch, transformers, fastapi or asyncio, and no wall clock:
 time is an argument (`now`) and waits are returned as deadlines (`WaitUntil`). The same
 `Scheduler` is driven by the Serve router (wall clock), the simulated-GPU replica and the
-discrete-event simulator (virtual clock). tests/core/test_purity.py enforces this.
+discrete-event simulator (virtual clock). tests/test_layering.py enforces this.
 """
 
 from tidal_core.autoscale import AutoscaleConfig, AutoscaleObservation, AutoscaleState, decide
