@@ -124,8 +124,8 @@ class Simulation:
 
     def on_engine_event(self, uid: int, token: int, now: float) -> None:
         """A unit's step ended or its micro-wait expired: record outputs, schedule again."""
-        unit = self.fleet.units[uid]
-        if token != unit.token:  # superseded by a later kick
+        unit = self.fleet.units.get(uid)
+        if unit is None or token != unit.token:  # retired since, or superseded by a later kick
             return
         if unit.inflight is not None:
             plan, result = unit.inflight
