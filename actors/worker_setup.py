@@ -100,6 +100,7 @@ class WorkerBuilder:
         self.model: LlamaForCausalLM | None = None
         self.cfg: ModelConfig | None = None
         self.max_model_len = 0
+        self.memory: kv_budget.MemoryProfile | None = None  # GPU: what the KV budget was computed from
 
     def load(self) -> tuple[int, EngineInfo]:
         """Build and fill the model; return (KV blocks this rank can hold, engine info)."""
@@ -130,7 +131,8 @@ class WorkerBuilder:
     def _kv_budget_bytes(self) -> float:
         if self.device.type != "cuda":
             return self.spec.kv_cache_gb * kv_cache.GIB
-        return kv_budget.kv_budget_bytes(self.memory_profile(), self.spec.gpu_memory_utilization)  # pragma: no cover
+        self.memory = self.memory_profile()  # pragma: no cover
+        return kv_budget.kv_budget_bytes(self.memory, self.spec.gpu_memory_utilization)  # pragma: no cover
 
     def _graph_buckets(self) -> list[int]:
         if self.device.type != "cuda" or self.spec.enforce_eager:

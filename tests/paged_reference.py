@@ -22,31 +22,29 @@ class Case:
     q_lens: list[int]  # query tokens per sequence (1 for a decode)
     scale: float
 
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for n in self.q_lens if n == 1 and self.is_decode)
-
-    is_decode: bool = True
 
 
 def reference(case: Case) -> torch.Tensor:
-    out = torch.empty_like(case.q)
+    """On CPU in float64, returned in the case's dtype and device."""
+    out = torch.empty(case.q.shape, dtype=torch.float64)
     bs, kvh = case.k_cache.shape[1], case.k_cache.shape[2]
     heads = case.q.shape[1]
+    k_flat = case.k_cache.cpu().double().reshape(-1, kvh, case.k_cache.shape[3])
+    v_flat = case.v_cache.cpu().double().reshape(-1, kvh, case.v_cache.shape[3])
     row = 0
     for table, length, n in zip(case.tables, case.seq_lens, case.q_lens, strict=True):
         slots = [table[p // bs] * bs + p % bs for p in range(length)]
-        k = case.k_cache.reshape(-1, kvh, case.k_cache.shape[3])[slots].double()  # [L, Hkv, hd]
-        v = case.v_cache.reshape(-1, kvh, case.v_cache.shape[3])[slots].double()
+        k = k_flat[slots]  # [L, Hkv, hd]
+        v = v_flat[slots]
         k = k.repeat_interleave(heads // kvh, dim=1)
         v = v.repeat_interleave(heads // kvh, dim=1)
-        q = case.q[row:row + n].double()  # [n, H, hd]
+        q = case.q[row:row + n].cpu().double()  # [n, H, hd]
         s = torch.einsum("nhd,lhd->hnl", q, k) * case.scale
         pos = torch.arange(length - n, length).unsqueeze(1)
         s = s.masked_fill(torch.arange(length).unsqueeze(0) > pos, float("-inf"))
-        out[row:row + n] = torch.einsum("hnl,lhd->nhd", s.softmax(-1), v).to(case.q.dtype)
+        out[row:row + n] = torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
         row += n
-    return out
+    return out.to(dtype=case.q.dtype, device=case.q.device)
 
 
 def make_case(seq_lens: list[int], q_lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,

@@ -35,15 +35,17 @@ def _meta(case: Case, decodes: int, backend: str) -> AttentionMetadata:
     """Metadata of a flat batch: the first `decodes` sequences decode, the rest are chunks."""
     bs, scratch = case.k_cache.shape[1], case.k_cache.shape[0] - 1
     width = max((len(t) for t in case.tables[:decodes]), default=0)
-    tables = torch.tensor([t + [scratch] * (width - len(t)) for t in case.tables[:decodes]]) if decodes else None
-    lens = torch.tensor(case.seq_lens[:decodes]) if decodes else None
+    dev = case.q.device
+    tables = (torch.tensor([t + [scratch] * (width - len(t)) for t in case.tables[:decodes]], device=dev)
+              if decodes else None)
+    lens = torch.tensor(case.seq_lens[:decodes], device=dev) if decodes else None
     slots = [t[p // bs] * bs + p % bs for t, length, n in zip(case.tables, case.seq_lens, case.q_lens, strict=True)
              for p in range(length - n, length)]
     spans, start = [], decodes
     for table, length, n in zip(case.tables[decodes:], case.seq_lens[decodes:], case.q_lens[decodes:], strict=True):
-        spans.append(PrefillSpan(start, n, length - n, torch.tensor(table)))
+        spans.append(PrefillSpan(start, n, length - n, torch.tensor(table, device=dev)))
         start += n
-    meta = AttentionMetadata(torch.tensor(slots), decodes, tables, lens, spans, backend=backend)
+    meta = AttentionMetadata(torch.tensor(slots, device=dev), decodes, tables, lens, spans, backend=backend)
     if backend == "triton" and spans:
         meta.triton_prefill = build_prefill(spans, scratch, case.q.shape[1] // case.k_cache.shape[2], case.q.device)
     return meta
@@ -58,8 +60,14 @@ def _attend(case: Case, decodes: int, backend: str) -> torch.Tensor:
     return paged_attention(case.q, k, v, case.k_cache, case.v_cache, meta, case.scale)
 
 
-def _cases(spec: list[tuple], seed: int) -> list[Case]:
-    return [make_case(s, q, h, kvh, hd, bs, seed=seed + i) for i, (s, q, h, kvh, hd, bs) in enumerate(spec)]
+def _device(backend: str) -> str:
+    """The kernel runs compiled on CUDA tensors where there is a GPU, interpreted on CPU ones elsewhere."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
+def _cases(spec: list[tuple], seed: int, backend: str) -> list[Case]:
+    return [make_case(s, q, h, kvh, hd, bs, seed=seed + i, device=_device(backend))
+            for i, (s, q, h, kvh, hd, bs) in enumerate(spec)]
 
 
 BACKENDS = ["portable", pytest.param("triton", marks=needs_triton)]
@@ -67,33 +75,33 @@ BACKENDS = ["portable", pytest.param("triton", marks=needs_triton)]
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decodes_match_dense_reference(backend: str) -> None:
-    for case in _cases(DECODES, 0):
+    for case in _cases(DECODES, 0, backend):
         got = _attend(case, len(case.q_lens), backend)
         assert torch.allclose(got, reference(case), atol=2e-5), (backend, case.seq_lens)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_chunks_with_context_match_dense_reference(backend: str) -> None:
-    for case in _cases(CHUNKS, 10):
+    for case in _cases(CHUNKS, 10, backend):
         got = _attend(case, 0, backend)
         assert torch.allclose(got, reference(case), atol=2e-5), (backend, case.seq_lens, case.q_lens)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mixed_step_decodes_then_chunks(backend: str) -> None:
-    case = make_case([9, 48, 77, 40, 23], [1, 1, 1, 40, 5], 8, 2, 16, 16, seed=21)  # a chunk at context 0 too
+    case = make_case([9, 48, 77, 40, 23], [1, 1, 1, 40, 5], 8, 2, 16, 16, seed=21, device=_device(backend))
     assert torch.allclose(_attend(case, 3, backend), reference(case), atol=2e-5)
 
 
 @needs_triton
 def test_triton_kernel_ignores_table_padding_and_scratch_contents() -> None:
     """A decode table padded far past its length (as in a CUDA-graph context bucket) reads nothing more."""
-    case = make_case([5, 21], [1, 1], 4, 2, 8, 4, seed=3)
+    case = make_case([5, 21], [1, 1], 4, 2, 8, 4, seed=3, device=_device("triton"))
     ref = reference(case)
     case.k_cache[-1].fill_(1e4)  # the scratch block, which padded entries point at
     case.v_cache[-1].fill_(1e4)
     scratch = case.k_cache.shape[0] - 1
-    tables = torch.tensor([t + [scratch] * (40 - len(t)) for t in case.tables])
+    tables = torch.tensor([t + [scratch] * (40 - len(t)) for t in case.tables], device=case.q.device)
     meta = _meta(case, 2, "triton")
     meta.decode_block_tables = tables
     k = case.k_cache.view(-1, 2, 8)[meta.slot_mapping].clone()
