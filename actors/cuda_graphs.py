@@ -116,6 +116,7 @@ class CudaGraphRunner:
                                           backend)
         self.graphs: dict[tuple[int, int], Any] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.pool_bytes = 0  # memory the captures reserved (the graph pool), measured by capture()
         self.batch_slots = [0, 0]  # [useful, padded] rows of replayed steps
         self.kv_slots = [0, 0]  # [useful, padded] KV positions the captured tables span
 
@@ -130,6 +131,8 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:  # pragma: no cover - CUDA only (tests/gpu)
         """Largest first: the first capture sizes the shared pool, the smaller ones fit in it."""
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
         pool = None
         for bucket in reversed(self.buckets):
             for width in reversed(self.widths):
@@ -142,6 +145,7 @@ class CudaGraphRunner:
                 pool = graph.pool()
                 self.graphs[bucket, width] = graph
         torch.cuda.synchronize()
+        self.pool_bytes = torch.cuda.memory_reserved() - before
 
     def can_run(self, bucket: int | None) -> bool:
         return bucket is not None and bucket in self.buckets and bool(self.graphs)

@@ -6,7 +6,7 @@ the deepest context it can have), `MemoryProfile` (what was measured before the 
 weights, the worst step's activation peak, the CUDA-graph pool, the runtime's own memory
 outside torch's allocator: CUDA context, cuBLAS workspaces, NCCL buffers), `kv_budget_bytes`
 (the pure arithmetic, unit-tested on CPU) and `profile_memory` (GPU only: runs the worst step
-over a small throwaway cache and reads the allocator's peaks).
+over a small throwaway cache and reads the allocator's peak reservation).
 
     KV = utilization x total - weights - worst-step peak - graph pool - runtime context
 
@@ -103,15 +103,18 @@ def _worst_step_inputs(step: WorstStep, block_size: int, pool_blocks: int, devic
     return torch.zeros(tokens, dtype=torch.long, device=device), positions, meta
 
 
-def _peak_of(model: Any, step: WorstStep, kv_spec: Any, device: torch.device, backend: str) -> int:
-    """Allocator peak above the current allocation while running `step` (logits for every sampler)."""
+def _peak_of(model: Any, step: WorstStep, kv_spec: Any, device: torch.device,
+             backend: str) -> int:  # pragma: no cover - CUDA only (tests/gpu)
+    """Memory the allocator reserved above what it held while running `step` (logits for every
+    sampling row): reserved rather than allocated, so the allocator's rounding is counted too."""
     from actors.kv_cache import allocate_kv_cache
 
     pool_blocks = 8
     attn = model.layers[0].self_attn
     group = attn.shard.q_count // attn.shard.kv_count
     torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
     caches = allocate_kv_cache(kv_spec, pool_blocks, device)
     ids, pos, meta = _worst_step_inputs(step, kv_spec.block_size, pool_blocks, device, backend, group)
@@ -119,7 +122,7 @@ def _peak_of(model: Any, step: WorstStep, kv_spec: Any, device: torch.device, ba
         hidden = model(ids, pos, meta, caches)
         model.compute_logits(hidden[: step.decodes + (1 if step.prefill_chunk else 0)])
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
+    peak = torch.cuda.max_memory_reserved(device) - base
     del caches, hidden
     return peak
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check of the engine in one command, under 8 minutes on one H200 (each stage has its
-# own time limit, 450 s in all): the GPU tests, decode and prefill step times of a Llama-3-8B-shaped
+# own time limit, 460 s in all): the GPU tests, decode and prefill step times of a Llama-3-8B-shaped
 # model with random weights at TP1 (CUDA graphs vs eager, against the bandwidth bound), and the
 # profiler's sweep that fits the cost model to this engine. No Ray, no network: torch (CUDA, with
 # Triton), numpy, pyyaml and pytest, run from a checkout without installing it.
@@ -40,9 +40,9 @@ stage() {  # stage NAME SECONDS COMMAND...
 }
 
 if [ -n "$SMOKE" ]; then TESTS=(tests/gpu); else TESTS=(tests/gpu tests/actors/test_paged_attention.py); fi
-stage tests 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" "${TESTS[@]}" > "$DEST/gpu_tests.log" 2>&1
+stage tests 130 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" "${TESTS[@]}" > "$DEST/gpu_tests.log" 2>&1
 tail -n 3 "$DEST/gpu_tests.log"
-stage engine 180 "$PY" -m benchmarks.gpu_check engine --out "$DEST" $SMOKE
-stage profile 150 "$PY" -m benchmarks.gpu_check profile --out "$DEST" $SMOKE
-stage report 30 "$PY" -m benchmarks.gpu_check report --out "$DEST"
+stage engine 170 "$PY" -m benchmarks.gpu_check engine --out "$DEST" $SMOKE
+stage profile 140 "$PY" -m benchmarks.gpu_check profile --out "$DEST" $SMOKE
+stage report 20 "$PY" -m benchmarks.gpu_check report --out "$DEST"
 exit $status
