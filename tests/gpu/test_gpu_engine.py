@@ -75,7 +75,8 @@ def test_cuda_graph_replay_matches_eager(tiny_path: Path, attention: str) -> Non
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+# bf16: probabilities are rounded to bf16 before P.V and both outputs to bf16 (1 ulp is 1.6e-2 at 2-4)
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 5e-2)])
 def test_triton_kernel_compiled_matches_dense_reference(dtype: torch.dtype, atol: float) -> None:
     from tests.actors.test_paged_attention import CHUNKS, DECODES, _attend
 
