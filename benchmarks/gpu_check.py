@@ -41,6 +41,17 @@ SMOKE = dict(model="tiny", batches=(1, 2, 4), contexts=(24, 60), prefill=(16, 64
 GOALS = {"decode_vs_bound_b64_4k": 1.5, "graph_speedup_b1_8": 1.5, "heldout_max_abs_rel_error": 0.10}
 
 
+def check_plan(cfg: dict[str, Any]) -> None:
+    """Fail before the model is built if a step of the plan could not run (positions past the
+    rotary table, a step larger than the memory profile covers)."""
+    longest = max(cfg["contexts"]) + len(cfg["batches"]) * (2 * cfg["repeats"] + 4)
+    for what, need in (("the longest decode context", longest), ("the largest prefill", max(cfg["prefill"]))):
+        if need > cfg["max_model_len"]:
+            raise ValueError(f"{what} reaches {need} tokens > max_model_len={cfg['max_model_len']}")
+    if cfg["step_tokens"] < max(max(cfg["prefill"]), max(cfg["batches"])):
+        raise ValueError(f"step_tokens={cfg['step_tokens']} is below the largest step the plan sends")
+
+
 def copy_bandwidth(device: Any, mib: int) -> float:
     """Bytes read + written per second by a device-to-device copy of `mib` MiB (median of 5)."""
     import torch
@@ -129,6 +140,7 @@ def engine(out: Path, smoke: bool) -> dict[str, Any]:
     from actors.profiler_sweeps import _PlanMaker
 
     cfg = SMOKE if smoke else FULL
+    check_plan(cfg)
     # Before the engine takes the device's memory: 2 x 2 GiB, many times the L2.
     bandwidth = copy_bandwidth(torch.device("cpu" if smoke else "cuda"), 64 if smoke else 2048)
     if not smoke:

@@ -239,3 +239,35 @@ def _spec(runner: object, k_cache: torch.Tensor) -> object:
 
     return KVCacheSpec(len(runner.kv_caches), k_cache.shape[2], k_cache.shape[3], k_cache.shape[1],  # type: ignore[attr-defined]
                        k_cache.dtype)
+
+
+class EagerReplay:
+    """Stands in for a captured graph on CPU: replay runs the model on the static buffers' view
+    and writes the graph's output tensor in place, as a replay would."""
+
+    def __init__(self, graphs: CudaGraphRunner, key: tuple[int, int]) -> None:
+        self.graphs, self.key = graphs, key
+
+    def replay(self) -> None:
+        g = self.graphs
+        ids, pos, meta = g.buffers.view(*self.key)
+        g.outputs[self.key].copy_(g.model(ids, pos, meta, g.kv_caches))
+
+
+def test_runner_through_padded_graph_buffers_generates_the_eager_tokens(tiny_path: Path) -> None:
+    """The runner's whole graph path (bucket and width choice, gathered tables, padding, output
+    slicing) on CPU, with eager stand-ins for the captured graphs."""
+    sched = dict(max_num_batched_tokens=24, max_batch_size=8, cuda_graph_buckets=(1, 2, 4, 8))
+    want = generate_ids(local_executor(tiny_path, block_size=4, device="cpu"), PROMPTS, GREEDY, **sched)
+    ex = local_executor(tiny_path, block_size=4, device="cpu")
+    runner = ex.runner
+    runner.tables = BlockTableStore(runner.scratch_block, torch.device("cpu"))
+    graphs = CudaGraphRunner(runner.model, runner.kv_caches, [1, 2, 4, 8], 512, 4, runner.scratch_block,
+                             contexts=(16, 64))
+    hidden = runner.model.cfg.hidden_size
+    for key in [(b, w) for b in graphs.buckets for w in graphs.widths]:
+        graphs.graphs[key] = EagerReplay(graphs, key)
+        graphs.outputs[key] = torch.empty(key[0], hidden)
+    runner.graphs = graphs
+    assert generate_ids(ex, PROMPTS, GREEDY, **sched) == want
+    assert graphs.batch_slots[0] > 0 and graphs.padding()["context_padding_waste"] > 0
