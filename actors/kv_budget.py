@@ -5,8 +5,8 @@ sequence at full context, plus the largest prefill chunk that still fits the tok
 the deepest context it can have), `MemoryProfile` (what was measured before the cache exists:
 weights, the worst step's activation peak, the CUDA-graph pool, the runtime's own memory
 outside torch's allocator: CUDA context, cuBLAS workspaces, NCCL buffers), `kv_budget_bytes`
-(the pure arithmetic, unit-tested on CPU) and `profile_memory` (GPU only: runs the worst step
-over a small throwaway cache and reads the allocator's peak reservation).
+(the pure arithmetic, unit-tested on CPU) and `profile_memory` (GPU: runs the worst step over a
+small throwaway cache and reads the allocator's peak reservation).
 
     KV = utilization x total - weights - worst-step peak - graph pool - runtime context
 
@@ -103,8 +103,7 @@ def _worst_step_inputs(step: WorstStep, block_size: int, pool_blocks: int, devic
     return torch.zeros(tokens, dtype=torch.long, device=device), positions, meta
 
 
-def _peak_of(model: Any, step: WorstStep, kv_spec: Any, device: torch.device,
-             backend: str) -> int:  # pragma: no cover - CUDA only (tests/gpu)
+def _peak_of(model: Any, step: WorstStep, kv_spec: Any, device: torch.device, backend: str) -> int:
     """Memory the allocator reserved above what it held while running `step` (logits for every
     sampling row): reserved rather than allocated, so the allocator's rounding is counted too."""
     from actors.kv_cache import allocate_kv_cache
@@ -128,8 +127,9 @@ def _peak_of(model: Any, step: WorstStep, kv_spec: Any, device: torch.device,
 
 
 def profile_memory(model: Any, kv_spec: Any, step: WorstStep, graph_batch: int, device: torch.device,
-                   backend: str) -> MemoryProfile:  # pragma: no cover - CUDA only (tests/gpu)
-    """Measure everything but the cache: call after the weights are loaded, before the cache exists."""
+                   backend: str) -> MemoryProfile:
+    """Measure everything but the cache: call after the weights are loaded, before the cache exists.
+    CUDA only (tests/gpu); its control flow is tested on CPU with fake memory counters."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     weights = torch.cuda.memory_allocated(device)

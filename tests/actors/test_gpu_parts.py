@@ -271,3 +271,39 @@ def test_runner_through_padded_graph_buffers_generates_the_eager_tokens(tiny_pat
     runner.graphs = graphs
     assert generate_ids(ex, PROMPTS, GREEDY, **sched) == want
     assert graphs.batch_slots[0] > 0 and graphs.padding()["context_padding_waste"] > 0
+
+
+def test_memory_profile_runs_the_worst_step_and_the_graph_batch(tiny_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`profile_memory`'s control flow on CPU: torch.cuda's memory counters replaced by a fake
+    allocator whose peak grows with the tokens of the step that ran (the real one is tests/gpu's)."""
+    import actors.kv_budget as kb
+    from actors.models import LlamaForCausalLM
+
+    ex = local_executor(tiny_path, block_size=4, max_model_len=256, device="cpu")
+    runner = ex.runner
+    seen: list[int] = []
+    real_forward = LlamaForCausalLM.forward
+
+    def forward(self: LlamaForCausalLM, ids: torch.Tensor, *args: object) -> torch.Tensor:
+        seen.append(int(ids.shape[0]))
+        return real_forward(self, ids, *args)  # type: ignore[arg-type]
+
+    class FakeCuda:
+        reserved = 1000
+
+        def max_memory_reserved(self, device: object = None) -> int:
+            return self.reserved + 10 * seen[-1]  # the step's peak: 10 bytes a token
+
+    fake = FakeCuda()
+    fakes = dict(synchronize=lambda *a: None, empty_cache=lambda: None, reset_peak_memory_stats=lambda *a: None,
+                 memory_allocated=lambda *a: 700, memory_reserved=lambda *a: fake.reserved,
+                 max_memory_reserved=fake.max_memory_reserved, mem_get_info=lambda *a: (5000, 10_000))
+    for name, value in fakes.items():
+        monkeypatch.setattr(kb.torch.cuda, name, value)
+    monkeypatch.setattr(LlamaForCausalLM, "forward", forward)
+    k_cache = runner.kv_caches[0][0]
+    step = WorstStep.for_limits(max_batch_size=6, max_model_len=256, max_num_batched_tokens=40)
+    prof = kb.profile_memory(runner.model, _spec(runner, k_cache), step, 4, torch.device("cpu"), "portable")
+    assert seen == [40, 4]  # the worst step, then the largest graph batch's decodes alone
+    assert prof == MemoryProfile(10_000, 700, 400, 40, 10_000 - 5000 - 1000)
