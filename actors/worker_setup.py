@@ -65,6 +65,8 @@ class EngineSpec:
             return "triton" if HAVE_TRITON and self.resolved_device() == "cuda" else "portable"
         if self.attention not in BACKENDS:
             raise ValueError(f"attention={self.attention!r}: use 'auto' or one of {BACKENDS}")
+        if self.attention == "triton" and not HAVE_TRITON:
+            raise ValueError("attention='triton' needs Triton (it comes with CUDA builds of torch); use 'portable'")
         return self.attention
 
 

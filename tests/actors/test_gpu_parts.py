@@ -307,3 +307,15 @@ def test_memory_profile_runs_the_worst_step_and_the_graph_batch(tiny_path: Path,
     prof = kb.profile_memory(runner.model, _spec(runner, k_cache), step, 4, torch.device("cpu"), "portable")
     assert seen == [40, 4]  # the worst step, then the largest graph batch's decodes alone
     assert prof == MemoryProfile(10_000, 700, 400, 40, 10_000 - 5000 - 1000)
+
+
+def test_attention_backend_choice() -> None:
+    from actors.paged_attention import HAVE_TRITON
+    from actors.worker_setup import EngineSpec
+
+    assert EngineSpec(device="cpu").resolved_attention() == "portable"  # auto: Triton only on CUDA
+    with pytest.raises(ValueError, match="use 'auto' or one of"):
+        EngineSpec(device="cpu", attention="flash").resolved_attention()
+    if not HAVE_TRITON:
+        with pytest.raises(ValueError, match="needs Triton"):
+            EngineSpec(device="cpu", attention="triton").resolved_attention()
