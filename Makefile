@@ -44,8 +44,11 @@ lint: setup
 unit: setup
 	$(PY) -m pytest -q --ignore=tests/integration --ignore=tests/gpu tests
 
+# tests/gpu run where the venv's torch sees a CUDA device, and are deselected elsewhere.
 test: setup model prometheus lint
-	$(PY) -m pytest -q -m "not slow and not gpu" tests
+	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+	  echo "CUDA present: tests/gpu included"; $(PY) -m pytest -q -m "not slow" tests; \
+	else $(PY) -m pytest -q -m "not slow and not gpu" tests; fi
 
 bench: setup
 	$(PY) -m tidal_cli bench scheduler --running 256 --waiting 4096 --json

@@ -10,6 +10,7 @@ Must not import: ray, transformers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,12 +61,17 @@ def decode_groups(widths: list[int], max_groups: int = 4) -> list[tuple[int, int
     return groups
 
 
+TableGather = Callable[[list[str], int], torch.Tensor]  # (request ids, width) -> padded [n, width] tables
+
+
 def build_inputs(plan: Any, states: dict[str, RequestState], block_size: int, scratch_block: int,
-                 device: torch.device, decode_width: int | None = None) -> StepInputs:
+                 device: torch.device, decode_width: int | None = None,
+                 tables: TableGather | None = None) -> StepInputs:
     """Decodes first (one token each, by ascending context), then prefill chunks in plan order.
 
     The runner maps results back by request id, so the flat order is its own choice: sorted
-    decodes make the length groups of the decode attention contiguous slices.
+    decodes make the length groups of the decode attention contiguous slices. With `tables`
+    (actors/block_tables.py) the decode tables come from one gather instead of padded lists.
     """
     decodes: list[tuple[str, RequestState]] = []
     prefills: list[tuple[str, RequestState, int]] = []
@@ -90,16 +96,18 @@ def build_inputs(plan: Any, states: dict[str, RequestState], block_size: int, sc
         else:
             decodes.append((rid, st))
     decodes.sort(key=lambda item: item[1].num_computed)
-    return _assemble(decodes, prefills, block_size, scratch_block, device, decode_width)
+    return _assemble(decodes, prefills, block_size, scratch_block, device, decode_width, tables)
 
 
 def _assemble(decodes: list[tuple[str, RequestState]], prefills: list[tuple[str, RequestState, int]],
-              block_size: int, scratch_block: int, device: torch.device, decode_width: int | None) -> StepInputs:
+              block_size: int, scratch_block: int, device: torch.device, decode_width: int | None,
+              tables: TableGather | None = None) -> StepInputs:
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
     dec_tables: list[list[int]] = []
     dec_lens: list[int] = []
+    dec_widths: list[int] = []
     spans: list[PrefillSpan] = []
     sample_rids: list[str] = []
     sample_idx: list[int] = []
@@ -110,7 +118,9 @@ def _assemble(decodes: list[tuple[str, RequestState]], prefills: list[tuple[str,
         ids.append(st.token_ids[ctx])
         pos.append(ctx)
         slots.append(table[ctx // block_size] * block_size + ctx % block_size)
-        dec_tables.append(table[:ctx // block_size + 1])
+        dec_widths.append(ctx // block_size + 1)
+        if tables is None:
+            dec_tables.append(table[:dec_widths[-1]])
         dec_lens.append(ctx + 1)
         sample_rids.append(rid)
         sample_idx.append(len(ids) - 1)
@@ -126,30 +136,20 @@ def _assemble(decodes: list[tuple[str, RequestState]], prefills: list[tuple[str,
             sample_rids.append(rid)
             sample_idx.append(len(ids) - 1)
             sample_pos.append(end)
+    dec_table = None
+    if decodes:
+        if tables is None:
+            dec_table = _decode_tables(dec_tables, scratch_block, decode_width).to(device)
+        else:
+            dec_table = tables([rid for rid, _ in decodes], decode_width or max(dec_widths))
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        num_decodes=len(dec_tables),
-        decode_block_tables=_decode_tables(dec_tables, scratch_block, decode_width).to(device) if dec_tables else None,
-        decode_context_lens=torch.tensor(dec_lens, dtype=torch.long, device=device) if dec_tables else None,
+        num_decodes=len(decodes),
+        decode_block_tables=dec_table,
+        decode_context_lens=torch.tensor(dec_lens, dtype=torch.long, device=device) if decodes else None,
         prefills=spans,
-        decode_groups=decode_groups([len(t) for t in dec_tables]) if dec_tables and decode_width is None else None,
+        decode_groups=decode_groups(dec_widths) if decodes and decode_width is None else None,
     )
     return StepInputs(torch.tensor(ids, dtype=torch.long, device=device),
                       torch.tensor(pos, dtype=torch.long, device=device), meta, sample_rids,
                       torch.tensor(sample_idx, dtype=torch.long, device=device), sample_pos)
-
-
-def add_flash_metadata(inputs: StepInputs, scratch_block: int) -> None:  # pragma: no cover - GPU only
-    """Varlen description of the prefill chunks for flash-attn (cumulative q and k lengths)."""
-    meta = inputs.meta
-    meta.use_flash = True
-    if not meta.prefills:
-        return
-    device = inputs.input_ids.device
-    q_lens = [s.length for s in meta.prefills]
-    k_lens = [s.context + s.length for s in meta.prefills]
-    meta.prefill_cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    meta.prefill_cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    meta.prefill_block_tables = _decode_tables([s.block_table.tolist() for s in meta.prefills], scratch_block,
-                                               None).to(device=device, dtype=torch.int32)
-    meta.prefill_max_q, meta.prefill_max_k = max(q_lens), max(k_lens)

@@ -1,7 +1,7 @@
 """The paged KV cache: its memory layout, its size from a memory budget, its allocation.
 
-Owns: `KVCacheSpec` (bytes per block for this rank), the sizing rules (`blocks_for_budget`,
-`gpu_kv_budget_bytes`) and `allocate_kv_cache`.
+Owns: `KVCacheSpec` (bytes per block for this rank), `blocks_for_budget` (blocks from a byte
+budget; the GPU budget itself is actors/kv_budget.py's) and `allocate_kv_cache`.
 
 Layout: per layer a (K, V) pair of `[num_blocks + 1, block_size, local_kv_heads, head_dim]`
 tensors. The block ids are the scheduler's (core/kv_blocks.py); block `num_blocks` is a
@@ -43,15 +43,6 @@ def blocks_for_budget(spec: KVCacheSpec, budget_bytes: float, max_blocks: int | 
         raise ValueError(f"a KV budget of {budget_bytes / GIB:.3f} GiB holds no block of "
                          f"{spec.bytes_per_block} bytes; raise kv_cache_gb / gpu_memory_utilization")
     return n
-
-
-def gpu_kv_budget_bytes(device: torch.device, gpu_memory_utilization: float, peak_bytes: int) -> int:
-    """The vLLM rule: utilisation x total memory, minus the peak of a profiling forward
-    (weights + activations of the largest step), is what the KV cache may take."""
-    if not 0.0 < gpu_memory_utilization <= 1.0:
-        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
-    total = torch.cuda.get_device_properties(device).total_memory
-    return int(total * gpu_memory_utilization) - peak_bytes
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int,

@@ -186,11 +186,18 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
 
 
 def random_weights(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02) -> None:
-    """Deterministic random weights of the real shapes (profiling without a checkpoint)."""
+    """Deterministic random weights of the real shapes (profiling without a checkpoint).
+
+    On CPU drawn from a CPU generator; on a GPU drawn there (an 8B model in seconds, not a
+    minute of host random numbers), so GPU and CPU weights differ for the same seed."""
     gen = torch.Generator().manual_seed(seed)
+    dev_gen: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
+        elif p.device.type == "cuda":  # pragma: no cover - GPU only
+            g = dev_gen.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+            p.data.normal_(0.0, std, generator=g)
         else:
             p.data.copy_(torch.randn(p.shape, generator=gen) * std)
 

@@ -13,23 +13,27 @@ Must not import: ray, transformers (the model is built by actors/model_loader.py
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from actors.block_tables import BlockTableStore
 from actors.cuda_graphs import CudaGraphRunner
-from actors.input_batch import RequestState, StepInputs, add_flash_metadata, build_inputs
+from actors.input_batch import RequestState, StepInputs, build_inputs
 from actors.models import LlamaForCausalLM
-from actors.models.attention import HAVE_FLASH_ATTN
+from actors.models.attention import BACKENDS
+from actors.paged_attention import build_prefill
 from actors.sampler import Sampler
+from actors.step_timing import StepClock
 from tidal_core.plan import StepPlan, StepResult
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 num_blocks: int, sampler_seed: int | None = None, graphs: CudaGraphRunner | None = None) -> None:
+                 num_blocks: int, sampler_seed: int | None = None, graphs: CudaGraphRunner | None = None,
+                 attention_backend: str = "portable", vectorized_tables: bool | None = None,
+                 clock: StepClock | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -39,7 +43,14 @@ class ModelRunner:
         self.tp = model.tp
         self.sampler = Sampler(sampler_seed, self.device)
         self.graphs = graphs
-        self.use_flash = HAVE_FLASH_ATTN and self.device.type == "cuda" and block_size % 256 == 0
+        if attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend={attention_backend!r}: use one of {BACKENDS}")
+        self.attention_backend = attention_backend
+        # One gathered tensor of block tables (default on GPU; CPU keeps the per-request lists).
+        if vectorized_tables is None:
+            vectorized_tables = self.device.type == "cuda"
+        self.tables = BlockTableStore(self.scratch_block, self.device) if vectorized_tables else None
+        self.clock = clock or StepClock.for_device(self.device)  # every step ends on a device sync
         self.states: dict[str, RequestState] = {}
         # Tests compare logits with a reference model; off in serving (a copy per step).
         self.keep_logits = False
@@ -61,38 +72,43 @@ class ModelRunner:
             if st is None:
                 raise AssertionError(f"step {plan.step_id}: blocks for unknown request {rid}")
             st.block_table.extend(blocks)
+        if self.tables is not None:
+            self.tables.apply(plan)
 
     # ---- one step ------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
-        t0 = time.perf_counter()
+        t0 = self.clock.start()
         self.apply_diffs(plan)
         if plan.is_empty:
-            return StepResult(plan.step_id, {}, time.perf_counter() - t0)
+            return StepResult(plan.step_id, {}, self.clock.elapsed(t0))
         with torch.inference_mode():
             inputs = self._prepare(plan)
-            hidden = self._forward(inputs, plan.padded_batch_size)
+            hidden = self._forward(inputs, plan.padded_batch_size, plan.decode_context_tokens)
             sampled, logprobs = self._sample(inputs, hidden)
         states = self.states
         for rid, n in plan.num_scheduled_tokens.items():
             states[rid].num_computed += n
         for rid, tok in sampled.items():
             states[rid].token_ids.append(tok)
-        return StepResult(plan.step_id, sampled if self.tp.is_driver else {}, time.perf_counter() - t0, logprobs)
+        return StepResult(plan.step_id, sampled if self.tp.is_driver else {}, self.clock.elapsed(t0), logprobs)
 
     def _prepare(self, plan: StepPlan) -> StepInputs:
-        width = self.graphs.buffers.table_width if self._use_graph(plan.padded_batch_size) else None
-        inputs = build_inputs(plan, self.states, self.block_size, self.scratch_block, self.device, width)
-        if self.use_flash:
-            add_flash_metadata(inputs, self.scratch_block)
+        gather = self.tables.gather if self.tables is not None else None
+        inputs = build_inputs(plan, self.states, self.block_size, self.scratch_block, self.device, None, gather)
+        meta = inputs.meta
+        meta.backend = self.attention_backend
+        if meta.backend == "triton" and meta.prefills:
+            attn = self.model.layers[0].self_attn
+            meta.triton_prefill = build_prefill(meta.prefills, self.scratch_block,
+                                                attn.shard.q_count // attn.shard.kv_count, self.device)
         return inputs
 
-    def _use_graph(self, bucket: int | None) -> bool:
-        return self.graphs is not None and self.graphs.can_run(bucket)
-
-    def _forward(self, inputs: StepInputs, bucket: int | None) -> torch.Tensor:
-        if bucket is not None and self._use_graph(bucket) and not inputs.meta.prefills:
-            assert self.graphs is not None
-            return self.graphs.run(inputs, bucket)
+    def _forward(self, inputs: StepInputs, bucket: int | None, kv_tokens: int) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(bucket) and not inputs.meta.prefills:
+            assert bucket is not None
+            out = self.graphs.run(inputs, bucket, kv_tokens)
+            if out is not None:
+                return out
         return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor) -> tuple[dict[str, int], dict[str, Any] | None]:

@@ -30,6 +30,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                          rope_theta=100000.0, tie_word_embeddings=True),
+    "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 8192}),
     "llama-2-70b": dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                         num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096),
     "llama-3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
@@ -40,13 +45,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _build_runner(cfg: dict[str, Any], tp: int, device: str, max_len: int, threads: int | None) -> Any:
+def _build_runner(cfg: dict[str, Any], tp: int, device: str, max_len: int, threads: int | None,
+                  max_batch: int = 64) -> Any:
     from actors.models import TPContext
     from actors.worker_setup import EngineSpec, WorkerBuilder
 
+    # The KV budget is profiled on the largest step this sweep sends (its largest decode batch).
     spec = EngineSpec(random_config=cfg, device=device, max_model_len=max_len, kv_cache_gb=0.5,
                       gpu_memory_utilization=0.85, max_num_batched_tokens=min(max_len, 8192), torch_threads=threads,
-                      enforce_eager=True)
+                      enforce_eager=True, max_batch_size=max_batch)
     builder = WorkerBuilder(spec, TPContext(0, tp, None, collectives=False))
     blocks, _ = builder.load()
     return builder.finish(blocks)
@@ -80,7 +87,8 @@ def profile(model: str, gpu: str, tp: int = 1, layers: int | None = None, device
     real_layers = cfg["num_hidden_layers"]
     cfg["num_hidden_layers"] = min(layers or real_layers, real_layers)
     sweep = QUICK if quick else FULL
-    runner = _build_runner(cfg, tp, device, 2 * max(sweep.prefill_prompts) + 1024, threads)
+    max_batch = max(*sweep.decode_batches, *(b for b, _ in sweep.decode_attention))
+    runner = _build_runner(cfg, tp, device, 2 * max(sweep.prefill_prompts) + 1024, threads, max_batch)
     linear = linear_curve(runner, sweep)
     prefill, decode = attention_rows(runner, sweep)
     steps = step_points(runner, sweep, cfg["vocab_size"])

@@ -20,6 +20,7 @@ import torch
 
 from actors.model_runner import ModelRunner
 from actors.models.attention import AttentionMetadata, PrefillSpan, paged_attention
+from actors.paged_attention import build_prefill
 from tidal_core import SamplingParams
 from tidal_core.plan import NewRequestData, StepPlan
 
@@ -35,6 +36,7 @@ class Sweep:
     decode_batches: tuple[int, ...]  # whole-step decode of a batch
     decode_prompt: int
     repeats: int
+    max_step_tokens: int = 8192  # prefill steps of the decode setup stay within this many tokens
 
 
 QUICK = Sweep((1, 4, 16, 64, 256), ((16, 0), (64, 0), (256, 0), (64, 128), (16, 256)),
@@ -93,13 +95,16 @@ def _attention_ms(runner: ModelRunner, n: int, ctx: int, batch: int, repeats: in
     q = torch.randn(tokens, attn.shard.q_count, hd, device=dev, dtype=dt)
     k = torch.randn(tokens, kvh, hd, device=dev, dtype=dt)
     v = torch.randn_like(k)
+    backend = runner.attention_backend  # what the runner's steps use (the Triton kernel on CUDA)
     if batch == 0:
         slots = tables[0].repeat_interleave(bs)[ctx:ctx + n] * bs + torch.arange(ctx, ctx + n, device=dev) % bs
-        meta = AttentionMetadata(slots, 0, None, None, [PrefillSpan(0, n, ctx, tables[0])])
+        meta = AttentionMetadata(slots, 0, None, None, [PrefillSpan(0, n, ctx, tables[0])], backend=backend)
+        if backend == "triton":
+            meta.triton_prefill = build_prefill(meta.prefills, runner.scratch_block, attn.shard.q_count // kvh, dev)
     else:
         lens = torch.full((batch,), ctx + 1, device=dev)
         slots = tables[:, ctx // bs] * bs + ctx % bs
-        meta = AttentionMetadata(slots, batch, tables, lens)
+        meta = AttentionMetadata(slots, batch, tables, lens, backend=backend)
     with torch.inference_mode():
         return timed(lambda: paged_attention(q, k, v, k_cache, v_cache, meta, attn.scale), repeats, dev)
 
@@ -137,6 +142,21 @@ class _PlanMaker:
             sched[rid] = length
         return StepPlan(next(self.ids), sched, dict.fromkeys(sched, 0), new, {}, [], 0, sum(prompts), 0, None)
 
+    def prefill_many(self, prompts: list[int], extra: int, max_tokens: int) -> list[str]:
+        """Prefill the prompts through the runner, several a step, at most `max_tokens` a step
+        (the largest step the runner's memory was profiled for); returns their ids."""
+        rids: list[str] = []
+        group: list[int] = []
+        for length in [*prompts, 0]:
+            if group and (not length or sum(group) + length > max_tokens):
+                plan = self.prefill(group, extra)
+                self.runner.execute(plan)
+                rids.extend(plan.num_scheduled_tokens)
+                group = []
+            if length:
+                group.append(length)
+        return rids
+
     def decode(self, rids: list[str], finished: list[str] | None = None) -> StepPlan:
         ctx = sum(self.runner.context_len(r) for r in rids)
         return StepPlan(next(self.ids), dict.fromkeys(rids, 1), {}, [], {}, finished or [], len(rids), 0, ctx, None)
@@ -158,9 +178,7 @@ def step_points(runner: ModelRunner, sweep: Sweep, vocab: int) -> list[tuple[str
 
     context = sweep.decode_prompt + DECODE_OUTPUT_TOKENS // 2
     for batch in sweep.decode_batches:
-        plan = maker.prefill([context - 1] * batch, sweep.repeats + 2)
-        runner.execute(plan)
-        rids = list(plan.num_scheduled_tokens)
+        rids = maker.prefill_many([context - 1] * batch, sweep.repeats + 2, sweep.max_step_tokens)
         rows.append(("decode", sweep.decode_prompt, batch,
                      timed(lambda rids=rids: runner.execute(maker.decode(rids)), sweep.repeats, runner.device)))
         runner.execute(maker.decode([], finished=rids))

@@ -57,7 +57,7 @@ class TPWorker:
         assert self.builder is not None, "load() first"
         self.runner = self.builder.finish(num_blocks)
         self.builder = None
-        return tuple(sorted(self.runner.graphs.graphs)) if self.runner.graphs is not None else ()
+        return self.runner.graphs.captured_batches if self.runner.graphs is not None else ()
 
     def execute(self, plan: StepPlan) -> StepResult | None:
         assert self.runner is not None, "finish() first"

@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
-from actors import kv_cache, model_loader
+from actors import kv_budget, kv_cache, model_loader
 from actors.cuda_graphs import CudaGraphRunner
 from actors.model_runner import ModelRunner
 from actors.models import LlamaForCausalLM, ModelConfig, TPContext, from_hf_config
-from actors.models.attention import AttentionMetadata, PrefillSpan
+from actors.models.attention import BACKENDS
+from actors.paged_attention import HAVE_TRITON
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,10 +38,13 @@ class EngineSpec:
     block_size: int = 16
     max_model_len: int = 2048
     max_num_batched_tokens: int = 2048  # the largest step; sizes the GPU activation reserve
+    max_batch_size: int = 64  # the scheduler's largest decode batch (the worst step's decodes)
     kv_cache_gb: float = 0.25  # CPU KV budget
     gpu_memory_utilization: float = 0.9
     max_num_blocks: int | None = None  # cap (tests force preemption with a tiny pool)
     cuda_graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    cuda_graph_contexts: tuple[int, ...] | None = None  # context buckets (tokens); None: 512 x4 .. max_model_len
+    attention: str = "auto"  # "portable", "triton"; auto: triton on CUDA when Triton imports
     enforce_eager: bool = False
     random_config: dict[str, Any] | None = None  # build this HF config with random weights
     seed: int | None = None
@@ -55,6 +59,15 @@ class EngineSpec:
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
         return torch.bfloat16 if self.resolved_device() == "cuda" else torch.float32
+
+    def resolved_attention(self) -> str:
+        if self.attention == "auto":
+            return "triton" if HAVE_TRITON and self.resolved_device() == "cuda" else "portable"
+        if self.attention not in BACKENDS:
+            raise ValueError(f"attention={self.attention!r}: use 'auto' or one of {BACKENDS}")
+        if self.attention == "triton" and not HAVE_TRITON:
+            raise ValueError("attention='triton' needs Triton (it comes with CUDA builds of torch); use 'portable'")
+        return self.attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +102,7 @@ class WorkerBuilder:
         self.model: LlamaForCausalLM | None = None
         self.cfg: ModelConfig | None = None
         self.max_model_len = 0
+        self.memory: kv_budget.MemoryProfile | None = None  # GPU: what the KV budget was computed from
 
     def load(self) -> tuple[int, EngineInfo]:
         """Build and fill the model; return (KV blocks this rank can hold, engine info)."""
@@ -119,40 +133,38 @@ class WorkerBuilder:
     def _kv_budget_bytes(self) -> float:
         if self.device.type != "cuda":
             return self.spec.kv_cache_gb * kv_cache.GIB
-        torch.cuda.reset_peak_memory_stats(self.device)  # pragma: no cover - GPU only
-        self._profile_forward()  # pragma: no cover
-        peak = torch.cuda.max_memory_allocated(self.device)  # pragma: no cover
-        return kv_cache.gpu_kv_budget_bytes(self.device, self.spec.gpu_memory_utilization, peak)  # pragma: no cover
+        self.memory = self.memory_profile()  # pragma: no cover
+        return kv_budget.kv_budget_bytes(self.memory, self.spec.gpu_memory_utilization)  # pragma: no cover
 
-    def _profile_forward(self) -> None:
-        """One forward of the largest step over a throwaway cache: the activation peak."""
+    def _graph_buckets(self) -> list[int]:
+        if self.device.type != "cuda" or self.spec.enforce_eager:
+            return []
+        return list(self.spec.cuda_graph_buckets)
+
+    def memory_profile(self) -> kv_budget.MemoryProfile:  # pragma: no cover - CUDA only
+        """Weights, the worst step, the graph pool and the runtime, measured before the cache exists."""
         assert self.model is not None
         spec = self.spec
-        tokens = min(spec.max_num_batched_tokens, self.max_model_len)
-        blocks = -(-tokens // spec.block_size)
-        caches = kv_cache.allocate_kv_cache(self.kv_spec(), blocks, self.device)
-        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
-        pos = torch.arange(tokens, device=self.device)
-        table = torch.arange(blocks, device=self.device)
-        meta = AttentionMetadata(pos.clone(), 0, None, None, [PrefillSpan(0, tokens, 0, table)])
-        with torch.inference_mode():
-            self.model.compute_logits(self.model(ids, pos, meta, caches)[-1:])
-        del caches
+        step = kv_budget.WorstStep.for_limits(spec.max_batch_size, self.max_model_len, spec.max_num_batched_tokens)
+        graph_batch = max(self._graph_buckets(), default=0)
+        return kv_budget.profile_memory(self.model, self.kv_spec(), step, graph_batch, self.device,
+                                        spec.resolved_attention())
 
     def finish(self, num_blocks: int) -> ModelRunner:
         assert self.model is not None
         caches = kv_cache.allocate_kv_cache(self.kv_spec(), num_blocks, self.device)
         graphs = None
-        if self.device.type == "cuda" and not self.spec.enforce_eager and self.spec.cuda_graph_buckets:
-            graphs = CudaGraphRunner(self.model, caches, list(self.spec.cuda_graph_buckets),  # pragma: no cover
-                                     self.max_model_len, self.spec.block_size, num_blocks)
+        backend = self.spec.resolved_attention()
+        if self._graph_buckets():
+            graphs = CudaGraphRunner(self.model, caches, self._graph_buckets(), self.max_model_len,  # pragma: no cover
+                                     self.spec.block_size, num_blocks, backend, self.spec.cuda_graph_contexts)
             graphs.capture()  # pragma: no cover
-        return ModelRunner(self.model, caches, self.spec.block_size, num_blocks, self.spec.seed, graphs)
+        return ModelRunner(self.model, caches, self.spec.block_size, num_blocks, self.spec.seed, graphs, backend)
 
 
 def with_buckets(info: EngineInfo, runner: ModelRunner) -> EngineInfo:
     """The engine info plus the CUDA-graph sizes this runner captured (the scheduler pads to them)."""
-    buckets = tuple(sorted(runner.graphs.graphs)) if runner.graphs is not None else ()
+    buckets = runner.graphs.captured_batches if runner.graphs is not None else ()
     return EngineInfo(info.num_kv_blocks, info.block_size, info.max_model_len, info.eos_token_ids, info.model_path,
                       buckets)
 

@@ -39,7 +39,8 @@ vocabularies), so streamed text is visible and TTFT is measurable by any client.
 
 
 def build_replica_group(engine: EngineArgs, max_num_batched_tokens: int, buckets: tuple[int, ...],
-                        name_prefix: str | None = None) -> tuple[ReplicaGroup | SimulatedReplica, ServicePrior | None]:
+                        name_prefix: str | None = None, max_batch_size: int = 64,
+                        ) -> tuple[ReplicaGroup | SimulatedReplica, ServicePrior | None]:
     """The executor of one unit and the service prior for its scheduler.
 
     `backend: sim` gets a `SimulatedReplica` (the cost model in this process, no Ray workers, and
@@ -65,7 +66,7 @@ def build_replica_group(engine: EngineArgs, max_num_batched_tokens: int, buckets
                       block_size=engine.block_size, max_model_len=engine.max_model_len,
                       max_num_batched_tokens=max_num_batched_tokens, kv_cache_gb=engine.kv_cache_gb,
                       gpu_memory_utilization=engine.gpu_memory_utilization, cuda_graph_buckets=buckets,
-                      enforce_eager=engine.enforce_eager)
+                      enforce_eager=engine.enforce_eager, max_batch_size=max_batch_size)
     group = ReplicaGroup(spec, step_timeout_s=engine.step_timeout_s, compiled_graph=engine.compiled_graph,
                          name_prefix=name_prefix)
     return group, None
@@ -81,7 +82,7 @@ class ServingUnit:
         # Starting TP workers blocks on Ray for up to minutes (weights load): off the event loop.
         self.group, prior = await asyncio.to_thread(
             build_replica_group, app.engine, app.scheduler.max_num_batched_tokens,
-            tuple(app.scheduler.cuda_graph_buckets), f"tidal-tp-{self.unit}")
+            tuple(app.scheduler.cuda_graph_buckets), f"tidal-tp-{self.unit}", app.scheduler.max_batch_size)
         cfg = scheduler_config(app.scheduler, num_kv_blocks=self.group.num_kv_blocks,
                                block_size=self.group.block_size, max_model_len=self.group.max_model_len,
                                service_prior=prior or ServicePrior())

@@ -14,9 +14,9 @@ Paths:
   sorted by length, so a short one never gathers a long one's padding); the G query heads of a
   GQA group act as G queries against one KV head, so no K/V repeat; prefill chunks one SDPA call each, causal
   with the chunk's offset. A chunk starting at position 0 attends over its own fresh K/V.
-- flash (CUDA, `flash_attn` installed, block_size a multiple of 256 as upstream flash-attn's
-  paged KV requires): `flash_attn_with_kvcache` for decodes, `flash_attn_varlen_func` with a
-  block table for prefill chunks. GPU-only; tested by tests/gpu.
+- triton (CUDA with Triton, the default there): actors/paged_attention.py's kernel reads the
+  blocks in place for decodes and for prefill chunks with context (nothing gathered, no mask
+  tensor); compiled on CUDA, checked on CPU under Triton's interpreter against a dense reference.
 
 Must not import: ray, serve_app.
 """
@@ -28,12 +28,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-try:  # an optional kernel package; absent on CPU machines
-    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+from actors.paged_attention import TritonPrefill, triton_decode, triton_prefill
 
-    HAVE_FLASH_ATTN = True
-except ImportError:  # pragma: no cover - depends on the machine
-    HAVE_FLASH_ATTN = False
+BACKENDS = ("portable", "triton")
 
 
 @dataclass(slots=True)
@@ -55,13 +52,8 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     # (start, end, width): decodes sorted by length, each run attended up to its own widest table
     decode_groups: list[tuple[int, int, int]] | None = None
-    use_flash: bool = False
-    # flash path only: varlen description of the prefill chunks
-    prefill_cu_q: torch.Tensor | None = None
-    prefill_cu_k: torch.Tensor | None = None
-    prefill_block_tables: torch.Tensor | None = None
-    prefill_max_q: int = 0
-    prefill_max_k: int = 0
+    backend: str = "portable"  # one of BACKENDS
+    triton_prefill: TritonPrefill | None = None  # the triton backend's description of the chunks
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -106,20 +98,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     return out.squeeze(0).transpose(0, 1)
 
 
-def _flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-           scale: float, out: torch.Tensor) -> None:  # pragma: no cover - GPU only
-    d = meta.num_decodes
-    if d:
+def _triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+            scale: float, out: torch.Tensor) -> None:
+    if meta.num_decodes:
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
-        dec = flash_attn_with_kvcache(q[:d].unsqueeze(1), k_cache, v_cache,
-                                      cache_seqlens=meta.decode_context_lens.to(torch.int32),
-                                      block_table=meta.decode_block_tables.to(torch.int32),
-                                      softmax_scale=scale, causal=True)
-        out[:d] = dec.squeeze(1)
+        triton_decode(q[:meta.num_decodes], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                      scale, out)
     if meta.prefills:
-        out[d:] = flash_attn_varlen_func(q[d:], k_cache, v_cache, meta.prefill_cu_q, meta.prefill_cu_k,
-                                         meta.prefill_max_q, meta.prefill_max_k, softmax_scale=scale,
-                                         causal=True, block_table=meta.prefill_block_tables)
+        assert meta.triton_prefill is not None, "triton backend: prefill chunks need their TritonPrefill"
+        triton_prefill(q, k_cache, v_cache, meta.triton_prefill, scale, out)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -127,8 +114,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q: [T, H, hd], k/v: [T, Hkv, hd] for the flat batch (decodes first). Returns [T, H, hd]."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
-    if meta.use_flash:
-        _flash(q, k_cache, v_cache, meta, scale, out)
+    if meta.backend == "triton":
+        _triton(q, k_cache, v_cache, meta, scale, out)
         return out
     d = meta.num_decodes
     if d:
