@@ -10,7 +10,9 @@ export RAY_USAGE_STATS_ENABLED := 0
 export RAY_AUTH_MODE := disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup serve test lint unit bench clean prometheus model
+AIPERF_VENV := .venv-aiperf
+
+.PHONY: setup serve test lint unit bench clean prometheus model aiperf
 
 setup: $(STAMP)
 
@@ -31,6 +33,15 @@ model: setup
 serve: setup model
 	$(VENV)/bin/serve run configs/local.yaml
 
+# NVIDIA's AIPerf benchmark client, for the third-party-client test (tests/integration/test_bench_client.py).
+# Its own virtualenv: it pins its own versions of much of the scientific stack (pandas, pillow, rich...).
+aiperf: $(AIPERF_VENV)/bin/aiperf
+
+$(AIPERF_VENV)/bin/aiperf:
+	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q --upgrade pip
+	$(AIPERF_VENV)/bin/python -m pip install -q aiperf==0.13.0
+
 # Debian's prometheus, for the real-Prometheus integration test (installed only when missing).
 prometheus:
 	@command -v prometheus >/dev/null 2>&1 || { \
@@ -45,7 +56,7 @@ unit: setup
 	$(PY) -m pytest -q --ignore=tests/integration --ignore=tests/gpu tests
 
 # tests/gpu run where the venv's torch sees a CUDA device, and are deselected elsewhere.
-test: setup model prometheus lint
+test: setup model prometheus aiperf lint
 	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 	  echo "CUDA present: tests/gpu included"; $(PY) -m pytest -q -m "not slow" tests; \
 	else $(PY) -m pytest -q -m "not slow and not gpu" tests; fi
@@ -54,4 +65,4 @@ bench: setup
 	$(PY) -m tidal_cli bench scheduler --running 256 --waiting 4096 --json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(AIPERF_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,8 +1,9 @@
 """Application arguments: the `args:` block of a Serve config, validated strictly.
 
-Owns: the pydantic models of `args` (`AppArgs` = engine + scheduler + ingress + streaming), the one place
-environment variables are read (`TIDAL_MODEL` overrides `engine.model`, e.g. a model path
-mounted into a KubeRay pod), and the translation to the core's frozen `SchedulerConfig`.
+Owns: the pydantic models of `args` (`AppArgs` = engine + scheduler + ingress + streaming +
+default_sampling), the one place environment variables are read (`TIDAL_MODEL` overrides
+`engine.model`, e.g. a model path mounted into a KubeRay pod), and the translation to the core's
+frozen `SchedulerConfig`.
 Unknown keys are errors that name the key (Serve's own schema would accept them silently).
 """
 
@@ -84,11 +85,21 @@ class StreamingArgs(_Strict):
     min_streams: int = Field(16, ge=1, description="open streams from which tokens are coalesced")
 
 
+class DefaultSamplingArgs(_Strict):
+    """What a request samples with when neither it nor the model's generation config says
+    (serve_app/openai/sampling_defaults.py)."""
+
+    temperature: float | None = Field(None, ge=0, le=2, description="default temperature (OpenAI's: 1)")
+    top_p: float | None = Field(None, gt=0, le=1, description="default nucleus mass (OpenAI's: 1)")
+    top_k: int | None = Field(None, ge=-1, description="default top-k (-1 or 0: off)")
+
+
 class AppArgs(_Strict):
     engine: EngineArgs = Field(default_factory=EngineArgs)
     scheduler: SchedulerArgs = Field(default_factory=SchedulerArgs)
     ingress: IngressArgs = Field(default_factory=IngressArgs)
     streaming: StreamingArgs = Field(default_factory=StreamingArgs)
+    default_sampling: DefaultSamplingArgs = Field(default_factory=DefaultSamplingArgs)
 
 
 def load_app_args(raw: dict[str, Any] | None, environ: dict[str, str] | None = None) -> AppArgs:

@@ -1,11 +1,12 @@
 """The HTTP front door: the FastAPI application and the Ray Serve `Ingress` deployment.
 
 Owns: routes (`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
-`GET /health`), every HTTP error in OpenAI's shape (400 validation / malformed JSON, 404, 405, 413,
-415, 429 and 503 with `Retry-After`, 500 only for bugs), `SSEResponse` (closing it cancels the engine
-request: client disconnects free KV), `HandleEngineClient` (a router `DeploymentHandle` as an
-`EngineClient`) and the `Ingress` deployment, which loads the tokenizer and builds one `OpenAIServer`
-per replica.
+`GET /v1/models/{id}`, `GET /health`), every HTTP error in OpenAI's shape (400 validation /
+malformed JSON, 404, 405, 413, 415, 429 and 503 with `Retry-After`, 500 only for bugs),
+`SSEResponse` (closing it cancels the engine request: client disconnects free KV),
+`HandleEngineClient` (a router `DeploymentHandle` as an `EngineClient`) and the `Ingress`
+deployment, which loads the tokenizer and the model's sampling defaults and builds one
+`OpenAIServer` per replica.
 
 Wiring with `@serve.ingress(app)`: Serve runs a frozen copy of the module-level `app`; routes find
 the replica's `OpenAIServer` in `request.app.state`, which `Ingress.__serve_build_asgi_app__`
@@ -43,8 +44,10 @@ from serve_app.openai.responses import (
     CompletionResponse,
     ErrorResponse,
     HealthResponse,
+    ModelCard,
     ModelList,
 )
+from serve_app.openai.sampling_defaults import read_generation_config, resolve_sampling_defaults
 from serve_app.openai.server import EventStream, OpenAIServer
 from serve_app.openai.validation import format_validation_errors
 from serve_app.unit_api import UNIT_REPLACED, EngineError, GenerateChunk, GenerateRequest, ModelInfo
@@ -126,6 +129,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 @api.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> Response:
     return _json(_server(request).list_models())
+
+
+@api.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
+async def retrieve_model(model_id: str, request: Request) -> Response:
+    return _json(_server(request).retrieve_model(model_id))
 
 
 @api.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
@@ -298,6 +306,15 @@ def _settings(model: str | Mapping[str, Any], served_model_name: str | None, max
             request_timeout_s if request_timeout_s is not None else timeout)
 
 
+def _config_sampling(model: str | Mapping[str, Any]) -> dict[str, Any]:
+    """The serve config's `default_sampling` (fields it leaves unset are absent)."""
+    if not isinstance(model, Mapping):
+        return {}
+    from serve_app.config_loader import AppArgs
+
+    return AppArgs.model_validate(dict(model)).default_sampling.model_dump(exclude_none=True)
+
+
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
@@ -313,10 +330,11 @@ class Ingress:
         path = await asyncio.to_thread(model_loader.prepare, name)
         tokenizer = await asyncio.to_thread(model_loader.load_tokenizer, path)
         info: ModelInfo = await router.model_info.remote()
+        sampling = resolve_sampling_defaults(read_generation_config(path), _config_sampling(model))
         self.server = OpenAIServer(HandleEngineClient(router, info), tokenizer, model_aliases=aliases,
-                                   request_timeout_s=timeout)
-        logger.info("ingress ready: model %r (aliases %s), max_model_len %d", info.model_id, aliases,
-                    info.max_model_len)
+                                   request_timeout_s=timeout, sampling_defaults=sampling)
+        logger.info("ingress ready: model %r (aliases %s), max_model_len %d, sampling defaults %s", info.model_id,
+                    aliases, info.max_model_len, sampling.describe())
 
     def __serve_build_asgi_app__(self) -> Any:
         # Serve calls this after __init__ with the frozen copy of `app` already attached.

@@ -13,6 +13,10 @@ Owns: `AdmissionController.check`. Rules, in order, each with its metric label:
   cap, at the measured completion rate;
 - `kv_pressure`: KV usage is at `kv_reject_usage` and requests already wait for room.
 
+In `mode` "protect" (a dev server: queue, do not refuse) only `too_long` and `queue_full`
+apply: the SLO rules (`prefill_backlog`, `kv_pressure`) are off, so a burst is served late
+rather than turned away.
+
 The retry-after estimate is the time until the rule would admit again if nothing else
 arrived: the predicted delay above the target, the queue over the service rate, or one mean
 decode span for KV. It is clamped to [min_retry_after_s, max_retry_after_s].
@@ -70,6 +74,8 @@ class AdmissionController:
             capacity = max(load.capacity_rps(), 1e-9)
             return self._reject(req, "queue_full", state.num_waiting / capacity,
                                 f"{state.num_waiting} requests are already queued (limit {cfg.max_queue_len})")
+        if cfg.mode == "protect":
+            return None
         ttft = state.predicted_ttft_s
         # Past capacity every admitted request beyond the target would miss it; below capacity
         # a burst drains, so only `burst_factor` x the target is refused. A request nothing is

@@ -15,6 +15,7 @@ MICROWAIT_HARD_CAP_S = 0.005
 """No adaptive micro-wait ever exceeds 5 ms, whatever the config says (the seed's rule)."""
 
 BATCHING_MODES = ("none", "adaptive", "fixed", "static")
+ADMISSION_MODES = ("slo", "protect")
 
 
 def _require(cond: bool, message: str) -> None:
@@ -101,9 +102,16 @@ class AdmissionConfig:
     usage is at `kv_reject_usage` with requests already waiting for room. With
     `target_tpot_s`, the adaptive policy also sizes every step so running decodes keep that
     time per output token (core/tpot.py).
+
+    `mode` "slo" (the default: production) applies every rule above. "protect" (a dev server)
+    keeps only what protects the process, the bounded queue (`max_queue_len`): a request that
+    would miss `target_ttft_s`, or that finds the KV cache full, waits its turn instead of
+    getting a 429 (the KV pool is fixed at start and the scheduler never admits past it, so
+    queueing costs latency, not memory).
     """
 
     enabled: bool = True
+    mode: str = "slo"
     max_queue_len: int = 1024
     target_ttft_s: float = 1.0
     target_tpot_s: float | None = None
@@ -113,6 +121,9 @@ class AdmissionConfig:
     max_retry_after_s: float = 60.0
 
     def __post_init__(self) -> None:
+        _require(self.mode in ADMISSION_MODES,
+                 f"admission.mode={self.mode!r} is unknown; use 'slo' (reject to keep the TTFT target) or "
+                 "'protect' (only a full queue is refused)")
         _require(self.max_queue_len >= 1, f"admission.max_queue_len={self.max_queue_len} must be >= 1")
         _require(self.target_ttft_s > 0.0, f"admission.target_ttft_s={self.target_ttft_s} must be > 0")
         _require(self.burst_factor >= 1.0, f"admission.burst_factor={self.burst_factor} must be >= 1")

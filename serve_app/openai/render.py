@@ -1,8 +1,9 @@
 """Text steps -> OpenAI response objects, for both endpoints, streamed or aggregated.
 
 Owns: `CompletionRenderer` and `ChatRenderer` (same four methods: `preamble` chunks, one stream
-`chunk` per text step, the `usage_chunk`, and the aggregated `response`), the logprobs formats of
-both APIs, and `sse_event` (the `data: <json>\\n\\n` framing).
+`chunk` per text step, the `usage_chunk`, and the aggregated `response`; one renderer per choice,
+each with its `index`), `merge_responses` (the choices of `n` > 1 in one response, usage summed),
+the logprobs formats of both APIs, and `sse_event` (the `data: <json>\\n\\n` framing).
 
 Logprobs: the engine sends, per token, the sampled token first and then the most likely others.
 Chat shows exactly `top_logprobs` alternatives (OpenAI's semantics); completions show the
@@ -95,10 +96,20 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
                      total_tokens=prompt_tokens + completion_tokens)
 
 
+def merge_responses(responses: Sequence[CompletionResponse | ChatCompletionResponse], prompt_tokens: int
+                    ) -> CompletionResponse | ChatCompletionResponse:
+    """One response holding every choice (each renderer set its own `index`); the prompt is
+    counted once, the completion tokens of every choice are added up (OpenAI's usage for n > 1)."""
+    first = responses[0]
+    choices = [choice for r in responses for choice in r.choices]
+    completion = sum(r.usage.completion_tokens for r in responses if r.usage is not None)
+    return first.model_copy(update={"choices": choices, "usage": _usage(prompt_tokens, completion)})
+
+
 class CompletionRenderer:
     def __init__(self, request_id: str, model: str, created: int, strings: TokenStrings,
-                 num_logprobs: int | None = None, echo_text: str | None = None) -> None:
-        self.request_id, self.model, self.created = request_id, model, created
+                 num_logprobs: int | None = None, echo_text: str | None = None, index: int = 0) -> None:
+        self.request_id, self.model, self.created, self.index = request_id, model, created, index
         self.strings = strings
         self.num_logprobs = num_logprobs
         self.echo_text = echo_text
@@ -108,7 +119,7 @@ class CompletionRenderer:
                                   usage=usage)
 
     def preamble(self) -> list[BaseModel]:
-        return [self._chunk([CompletionChoice(text=self.echo_text)])] if self.echo_text else []
+        return [self._chunk([CompletionChoice(index=self.index, text=self.echo_text)])] if self.echo_text else []
 
     def chunk(self, step: TextStep) -> BaseModel | None:
         if not step.text and not step.logprobs and step.finish_reason is None:
@@ -116,7 +127,8 @@ class CompletionRenderer:
         logprobs = None
         if self.num_logprobs is not None:
             logprobs = completion_logprobs(step.logprobs, self.strings, self.num_logprobs)
-        choice = CompletionChoice(text=step.text, logprobs=logprobs, finish_reason=_finish(step.finish_reason))
+        choice = CompletionChoice(index=self.index, text=step.text, logprobs=logprobs,
+                                  finish_reason=_finish(step.finish_reason))
         return self._chunk([choice])
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> BaseModel:
@@ -127,15 +139,15 @@ class CompletionRenderer:
         logprobs = None
         if self.num_logprobs is not None:
             logprobs = completion_logprobs(records, self.strings, self.num_logprobs)
-        choice = CompletionChoice(text=(self.echo_text or "") + text, logprobs=logprobs,
+        choice = CompletionChoice(index=self.index, text=(self.echo_text or "") + text, logprobs=logprobs,
                                   finish_reason=_finish(finish_reason))
         return self._chunk([choice], _usage(prompt_tokens, completion_tokens))
 
 
 class ChatRenderer:
     def __init__(self, request_id: str, model: str, created: int, strings: TokenStrings,
-                 num_logprobs: int | None = None) -> None:
-        self.request_id, self.model, self.created = request_id, model, created
+                 num_logprobs: int | None = None, index: int = 0) -> None:
+        self.request_id, self.model, self.created, self.index = request_id, model, created, index
         self.strings = strings
         self.num_logprobs = num_logprobs  # None: logprobs off; else how many alternatives per token
 
@@ -145,7 +157,8 @@ class ChatRenderer:
 
     def preamble(self) -> list[BaseModel]:
         # OpenAI's first chunk announces the role with empty content.
-        return [self._chunk([ChatCompletionStreamChoice(delta=DeltaMessage(role="assistant", content=""))])]
+        return [self._chunk([ChatCompletionStreamChoice(index=self.index,
+                                                        delta=DeltaMessage(role="assistant", content=""))])]
 
     def chunk(self, step: TextStep) -> BaseModel | None:
         if not step.text and not step.logprobs and step.finish_reason is None:
@@ -154,7 +167,7 @@ class ChatRenderer:
         if self.num_logprobs is not None:
             logprobs = chat_logprobs(step.logprobs, self.strings, self.num_logprobs)
         delta = DeltaMessage(content=step.text) if step.text else DeltaMessage()
-        return self._chunk([ChatCompletionStreamChoice(delta=delta, logprobs=logprobs,
+        return self._chunk([ChatCompletionStreamChoice(index=self.index, delta=delta, logprobs=logprobs,
                                                        finish_reason=_finish(step.finish_reason))])
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> BaseModel:
@@ -165,7 +178,7 @@ class ChatRenderer:
         logprobs = None
         if self.num_logprobs is not None:
             logprobs = chat_logprobs(records, self.strings, self.num_logprobs)
-        choice = ChatCompletionChoice(message=ChatResponseMessage(content=text), logprobs=logprobs,
+        choice = ChatCompletionChoice(index=self.index, message=ChatResponseMessage(content=text), logprobs=logprobs,
                                       finish_reason=_finish(finish_reason))
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=[choice],
                                       usage=_usage(prompt_tokens, completion_tokens))

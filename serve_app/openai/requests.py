@@ -41,6 +41,7 @@ from serve_app.openai.validation import (
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20  # SamplingParams' bound; OpenAI's own limit is 20 for top_logprobs
+MAX_CHOICES = 16  # n: each choice is one more sequence in the scheduler (OpenAI allows 128)
 
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 # Constraints the validators (serve_app/openai/validation.py) enforce first with their own
@@ -90,11 +91,14 @@ class SamplingFields(OpenAIModel):
     """Parameters shared by both endpoints. `None` means "the server default"."""
 
     model: StrictStr | None = Field(None, description="Served model id (or its alias); defaults to the served model")
-    temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = Field(None, description="0 is greedy; default 1")
-    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: JsonInt | None = Field(None, description="Extension: keep the k most likely tokens; -1 or 0 disables",
-                                    **_only(minimum=-1))
-    n: JsonInt = Field(1, description="Only 1 is supported", **_only(minimum=1, maximum=1))
+    temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = Field(
+        None, description="0 is greedy; default: the model's generation config, else the server's (else 1)")
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = Field(
+        None, description="Default: the model's generation config, else the server's (else 1)")
+    top_k: JsonInt | None = Field(None, description="Extension: keep the k most likely tokens; -1 or 0 disables; "
+                                  "default: the model's, else the server's (else off)", **_only(minimum=-1))
+    n: JsonInt = Field(1, description=f"Choices to generate (1 to {MAX_CHOICES}), each sampled on its own",
+                       **_only(minimum=1, maximum=MAX_CHOICES))
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
@@ -115,9 +119,10 @@ class SamplingFields(OpenAIModel):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise _unsupported("n", repr(n), "this server returns one choice per request (n=1)")
+    def _choices_in_range(cls, n: int) -> int:
+        if not 1 <= n <= MAX_CHOICES:
+            raise PydanticCustomError("invalid_value", "n={n} must be between 1 and {max} (choices per request)",
+                                      {"n": n, "max": MAX_CHOICES})
         return n
 
     @field_validator("top_k")

@@ -2,7 +2,9 @@
 
 Owns: `OpenAIServer` (validate against the served model, tokenize, build `SamplingParams`, run the
 request, detokenize and apply stop strings, render the response or the SSE event stream) and
-`EventStream` (the SSE body; closing it cancels the engine request).
+`EventStream` (the SSE body; closing it cancels the engine request). A request with `n` > 1 is `n`
+engine requests with the same prompt ids (choice `i` seeded `seed + i`), started together and read
+side by side; their choices carry `index`, the usage counts the prompt once.
 
 Order of work for one request: model name -> prompt ids -> context length -> SamplingParams ->
 first engine chunk. Everything up to and including the first chunk raises `OpenAIError`, so a
@@ -20,18 +22,27 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel
 
 from serve_app.openai.detokenizer import TokenStrings
 from serve_app.openai.errors import OpenAIError, bad_request, server_error
+from serve_app.openai.interleave import interleave
 from serve_app.openai.output_text import OutputText, TokenLogprob
 from serve_app.openai.prompts import PromptBuilder
-from serve_app.openai.render import DONE_EVENT, ChatRenderer, CompletionRenderer, error_event, sse_event
+from serve_app.openai.render import (
+    DONE_EVENT,
+    ChatRenderer,
+    CompletionRenderer,
+    error_event,
+    merge_responses,
+    sse_event,
+)
 from serve_app.openai.requests import ChatCompletionRequest, CompletionRequest, SamplingFields
 from serve_app.openai.responses import ChatCompletionResponse, CompletionResponse, ModelCard, ModelList
+from serve_app.openai.sampling_defaults import SamplingDefaults
 from serve_app.unit_api import GenerateChunk, GenerateRequest
 from serve_app.unit_stream import EngineClient, EngineStream, open_stream
 from tidal_core.request import SamplingParams
@@ -72,13 +83,13 @@ class _Run:
 class EventStream:
     """The SSE body. `aclose` closes the engine stream even if iteration never started."""
 
-    def __init__(self, server: OpenAIServer, run: _Run) -> None:
-        self._run = run
-        self._events = server._events(run)
+    def __init__(self, server: OpenAIServer, runs: list[_Run]) -> None:
+        self._runs = runs
+        self._events = server._events(runs)
 
     @property
     def request_id(self) -> str:
-        return self._run.renderer.request_id
+        return self._runs[0].renderer.request_id
 
     def __aiter__(self) -> EventStream:
         return self
@@ -90,14 +101,17 @@ class EventStream:
         try:
             await self._events.aclose()
         finally:
-            await self._run.stream.close()
+            for run in self._runs:
+                await run.stream.close()
 
 
 class OpenAIServer:
     def __init__(self, engine: EngineClient, tokenizer: Any, model_aliases: Sequence[str] = (),
                  default_completion_max_tokens: int = DEFAULT_COMPLETION_MAX_TOKENS,
-                 health_timeout_s: float = 5.0, request_timeout_s: float | None = None) -> None:
+                 health_timeout_s: float = 5.0, request_timeout_s: float | None = None,
+                 sampling_defaults: SamplingDefaults | None = None) -> None:
         self.engine = engine
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()
         self.info = engine.model_info
         self.model_id = self.info.model_id
         self.served_names = list(dict.fromkeys([self.model_id, *model_aliases]))
@@ -113,8 +127,18 @@ class OpenAIServer:
     # ---- endpoints ---------------------------------------------------------------------------
 
     def list_models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=name, created=self.created, root=self.model_id,
-                                         max_model_len=self.info.max_model_len) for name in self.served_names])
+        return ModelList(data=[self._card(name) for name in self.served_names])
+
+    def retrieve_model(self, model_id: str) -> ModelCard:
+        """`GET /v1/models/{model_id}`: the card of a served name, else OpenAI's 404."""
+        if model_id not in self.served_names:
+            raise OpenAIError(404, f"The model {model_id!r} does not exist; this server serves "
+                              f"{', '.join(repr(n) for n in self.served_names)}.", "invalid_request_error", "model",
+                              "model_not_found")
+        return self._card(model_id)
+
+    def _card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, created=self.created, root=self.model_id, max_model_len=self.info.max_model_len)
 
     async def health(self) -> bool:
         try:
@@ -137,11 +161,11 @@ class OpenAIServer:
         if request.echo:
             echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        renderer = CompletionRenderer(request_id, self.model_id, int(arrival_s), self.strings, request.logprobs,
-                                      echo_text)
+        renderers = [CompletionRenderer(request_id, self.model_id, int(arrival_s), self.strings, request.logprobs,
+                                        echo_text, index=i) for i in range(request.n)]
         budget = _Budget(request.max_tokens, "max_tokens", self.default_completion_max_tokens, "prompt")
-        run = await self._start(request, ids, budget, request.logprobs, renderer, arrival_s)
-        return cast(CompletionResponse | EventStream, await self._finish(run, request.stream))
+        runs = await self._start(request, ids, budget, request.logprobs, renderers, arrival_s)
+        return cast(CompletionResponse | EventStream, await self._finish(runs, request.stream))
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      arrival_s: float | None = None) -> ChatCompletionResponse | EventStream:
@@ -153,11 +177,12 @@ class OpenAIServer:
         ids = await self._tokenize(size, self.prompts.chat_ids, request.messages, request.add_generation_prompt)
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        renderer = ChatRenderer(request_id, self.model_id, int(arrival_s), self.strings, num_logprobs)
+        renderers = [ChatRenderer(request_id, self.model_id, int(arrival_s), self.strings, num_logprobs, index=i)
+                     for i in range(request.n)]
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         budget = _Budget(request.max_new_tokens(), param, None, "messages")
-        run = await self._start(request, ids, budget, num_logprobs, renderer, arrival_s)
-        return cast(ChatCompletionResponse | EventStream, await self._finish(run, request.stream))
+        runs = await self._start(request, ids, budget, num_logprobs, renderers, arrival_s)
+        return cast(ChatCompletionResponse | EventStream, await self._finish(runs, request.stream))
 
     # ---- request preparation -------------------------------------------------------------------
 
@@ -205,12 +230,14 @@ class OpenAIServer:
                               "stop_token_ids")
         if not request.ignore_eos:
             stop_ids.update(self.info.eos_token_ids)
+        defaults = self.sampling_defaults  # a request's own values always win
+        top_k = defaults.top_k if request.top_k is None else request.top_k
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=-1 if request.top_k is None or request.top_k == 0 else request.top_k,
+                temperature=defaults.temperature if request.temperature is None else request.temperature,
+                top_p=defaults.top_p if request.top_p is None else request.top_p,
+                top_k=-1 if top_k == 0 else top_k,
                 seed=request.seed, stop_token_ids=frozenset(stop_ids), ignore_eos=request.ignore_eos,
                 logprobs=logprobs, min_tokens=request.min_tokens)
         except ValueError as err:  # SamplingParams names the value: "min_tokens=9 must be ..."
@@ -218,30 +245,52 @@ class OpenAIServer:
             raise bad_request(message, message.split("=", 1)[0] if "=" in message else None) from err
 
     async def _start(self, request: SamplingFields, ids: list[int], budget: _Budget, logprobs: int | None,
-                     renderer: Renderer, arrival_s: float) -> _Run:
+                     renderers: Sequence[Renderer], arrival_s: float) -> list[_Run]:
+        """Start one engine request per choice, all at once, and read each one's first chunk. If
+        any fails before its first token, the others are closed and its error is raised."""
         max_tokens = self._max_tokens(len(ids), budget)
         sampling = self._sampling(request, max_tokens, logprobs)
-        output = OutputText(self.tokenizer, ids, request.stop_strings(),
-                            include_stop=request.include_stop_str_in_output, min_tokens=request.min_tokens,
-                            skip_special_tokens=request.skip_special_tokens)
         deadline = None
         if self.request_timeout_s is not None:
             deadline = asyncio.get_running_loop().time() + self.request_timeout_s
-        generate = GenerateRequest(renderer.request_id, ids, sampling, arrival_s)
-        stream, first = await open_stream(self.engine, generate, deadline)
-        return _Run(stream, first, output, renderer, len(ids), request.include_usage, deadline)
+        many = len(renderers) > 1
+
+        async def start(index: int, renderer: Renderer) -> _Run:
+            rid = f"{renderer.request_id}-{index}" if many else renderer.request_id
+            params = sampling if not many or sampling.seed is None else \
+                replace(sampling, seed=sampling.seed + index)
+            stream, first = await open_stream(self.engine, GenerateRequest(rid, ids, params, arrival_s), deadline)
+            output = OutputText(self.tokenizer, ids, request.stop_strings(),
+                                include_stop=request.include_stop_str_in_output, min_tokens=request.min_tokens,
+                                skip_special_tokens=request.skip_special_tokens)
+            return _Run(stream, first, output, renderer, len(ids), request.include_usage, deadline)
+
+        if not many:
+            return [await start(0, renderers[0])]
+        results = await asyncio.gather(*(start(i, r) for i, r in enumerate(renderers)), return_exceptions=True)
+        runs = [r for r in results if isinstance(r, _Run)]
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            for run in runs:
+                await run.stream.close()
+            raise failure
+        return runs
 
     # ---- running -------------------------------------------------------------------------------
 
-    async def _finish(self, run: _Run, stream: bool) -> BaseModel | EventStream:
+    async def _finish(self, runs: list[_Run], stream: bool) -> BaseModel | EventStream:
         if stream:
-            return EventStream(self, run)
+            return EventStream(self, runs)
         try:
-            return await self._aggregate(run)
+            if len(runs) == 1:
+                return await self._aggregate(runs[0])
+            responses = await asyncio.gather(*(self._aggregate(run) for run in runs))
+            return merge_responses(responses, runs[0].num_prompt_tokens)
         finally:
-            await run.stream.close()
+            for run in runs:
+                await run.stream.close()
 
-    async def _aggregate(self, run: _Run) -> BaseModel:
+    async def _aggregate(self, run: _Run) -> CompletionResponse | ChatCompletionResponse:
         parts: list[str] = []
         records: list[TokenLogprob] = []
         chunk = run.first
@@ -254,27 +303,39 @@ class OpenAIServer:
                                              run.output.num_tokens)
             chunk = await run.stream.next(run.deadline)
 
-    async def _events(self, run: _Run) -> AsyncGenerator[str, None]:
+    async def _choice_events(self, run: _Run) -> AsyncGenerator[BaseModel, None]:
+        """One choice's rendered chunks, up to and including its finish."""
         try:
-            for event in run.renderer.preamble():
-                yield sse_event(event, run.include_usage)
             chunk = run.first
             while True:
                 step = run.output.on_chunk(chunk.token_ids, chunk.logprobs, chunk.finish_reason)
                 rendered = run.renderer.chunk(step)
                 if rendered is not None:
-                    yield sse_event(rendered, run.include_usage)
+                    yield rendered
                 if step.finish_reason is not None:
-                    break
+                    return
                 chunk = await run.stream.next(run.deadline)
-            if run.include_usage:
-                yield sse_event(run.renderer.usage_chunk(run.num_prompt_tokens, run.output.num_tokens))
+        finally:
+            await run.stream.close()  # stop string matched, finished or failed: cancel in the router
+
+    async def _events(self, runs: list[_Run]) -> AsyncGenerator[str, None]:
+        first = runs[0]
+        try:
+            for run in runs:
+                for event in run.renderer.preamble():
+                    yield sse_event(event, first.include_usage)
+            async for rendered in interleave([self._choice_events(run) for run in runs]):
+                yield sse_event(rendered, first.include_usage)
+            if first.include_usage:
+                completion_tokens = sum(run.output.num_tokens for run in runs)
+                yield sse_event(first.renderer.usage_chunk(first.num_prompt_tokens, completion_tokens))
         except OpenAIError as err:
             yield error_event(err)
         except Exception:  # a bug after the 200 went out: tell the client in-band, keep the traceback
-            logger.exception("stream %s failed", run.renderer.request_id)
+            logger.exception("stream %s failed", first.renderer.request_id)
             yield error_event(server_error("internal error while streaming"))
         finally:
-            # Stop string matched, finished, failed or the client went away: cancel in the router.
-            await run.stream.close()
+            # Finished, failed or the client went away: cancel every choice still running in the router.
+            for run in runs:
+                await run.stream.close()
         yield DONE_EVENT

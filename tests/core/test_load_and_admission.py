@@ -142,3 +142,29 @@ def test_baselines_never_reject_for_load() -> None:
     for name in ("eager", "fixed-wait", "continuous", "static"):
         s = Scheduler(preset(name, SchedulerConfig(max_model_len=64, num_kv_blocks=8, block_size=16)))
         assert all(s.add_request(Request(f"r{i}", 60, SamplingParams(), 0.0), 0.0) is None for i in range(500))
+
+
+def test_protect_mode_queues_what_slo_mode_refuses() -> None:
+    # The same backlog and KV pressure: SLO admission refuses (prefill_backlog, then kv_pressure);
+    # protect mode (a dev server) queues every request up to the bounded queue, then says queue_full.
+    slo = _loaded_scheduler(max_batch_size=64, target_ttft_s=1.0, max_queue_len=150)
+    protect = _loaded_scheduler(max_batch_size=64, target_ttft_s=1.0, max_queue_len=150, mode="protect")
+    results = {}
+    for name, s in (("slo", slo), ("protect", protect)):
+        s.blocks.try_allocate("hog", 40 * 16)
+        results[name] = [s.add_request(Request(f"r{i}", 100, SamplingParams(), 0.0), 0.0) for i in range(151)]
+    assert {r.reason for r in results["slo"] if r is not None} >= {"prefill_backlog"}
+    assert all(r is None for r in results["protect"][:150])
+    last = results["protect"][150]
+    assert last is not None and last.reason == "queue_full" and last.retry_after_s >= 1.0
+    kv = _loaded_scheduler(target_ttft_s=1e6, kv_reject_usage=0.5, mode="protect")
+    kv.blocks.try_allocate("hog", 40 * 16)
+    assert all(kv.add_request(Request(f"k{i}", 10, SamplingParams(), 0.0), 0.0) is None for i in range(5))
+    tiny = _loaded_scheduler(mode="protect")
+    too_long = tiny.add_request(Request("long", tiny.config.max_model_len, SamplingParams(), 0.0), 0.0)
+    assert too_long is not None and too_long.reason == "too_long"
+
+
+def test_admission_mode_is_validated_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"admission.mode='queue' is unknown; use 'slo'"):
+        AdmissionConfig(mode="queue")

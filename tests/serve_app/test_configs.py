@@ -96,3 +96,23 @@ def test_every_knob_is_documented() -> None:
         names |= {f.name for f in dataclasses.fields(cls)} - {"mode"}
     missing = sorted(n for n in names if f"`{n}`" not in doc)
     assert not missing, f"undocumented knobs: {missing}"
+
+
+def _admission(name: str) -> AdmissionConfig:
+    app = load(ROOT / "configs" / name)["applications"][0]
+    args = load_app_args(app["args"], environ={})
+    return scheduler_config(args.scheduler, num_kv_blocks=100_000, block_size=16, max_model_len=2048).admission
+
+
+def test_the_dev_config_queues_and_production_keeps_slo_admission() -> None:
+    # `make serve` must not refuse a burst a developer sends (only a full queue is a 429);
+    # production and the load-test config turn requests away to keep their TTFT target.
+    local = _admission("local.yaml")
+    assert local.enabled and local.mode == "protect" and local.max_queue_len >= 64
+    for name in ("prod.yaml", "sim.yaml"):
+        assert _admission(name).mode == "slo"
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    assert "`mode`" in doc and "protect" in doc
+    bad = load_app_args({"scheduler": {"admission": {"mode": "lenient"}}}, environ={})
+    with pytest.raises(ValueError, match=r"admission\.mode='lenient'"):
+        scheduler_config(bad.scheduler, num_kv_blocks=1000, block_size=16, max_model_len=2048)

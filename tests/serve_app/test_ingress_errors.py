@@ -32,7 +32,7 @@ INFO = ModelInfo(MODEL, 2048, (2,), "hf")
     ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": 9}, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
-    ("/v1/completions", {"prompt": "x", "n": 3}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, "n"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4o"}, "model"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, "max_tokens"),
