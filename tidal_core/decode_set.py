@@ -120,7 +120,15 @@ class DecodeSet:
         if not due:
             return []
         reqs = self.reqs
-        return [r for r in due if reqs.get(r.request_id) is r and len(r.output_token_ids) >= self.length_limit(r)]
+        out: list[Request] = []
+        seen: set[str] = set()
+        for r in due:
+            # A request preempted and resumed can be listed twice for one step: finish it once.
+            rid = r.request_id
+            if rid not in seen and reqs.get(rid) is r and len(r.output_token_ids) >= self.length_limit(r):
+                seen.add(rid)
+                out.append(r)
+        return out
 
     def check_integrity(self) -> None:
         if not list(self.reqs) == list(self.outs) == list(self.ones) or set(self.reqs) != set(self._phase_of):
