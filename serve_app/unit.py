@@ -23,8 +23,8 @@ from serve_app.config_loader import AppArgs, EngineArgs, scheduler_config
 from serve_app.engine_loop import EngineLoop, StreamCoalescing
 from serve_app.metrics import UnitMetrics
 from serve_app.unit_api import GenerateChunk, GenerateRequest, ModelInfo
-from tidal_core import Scheduler
-from tidal_core.config import ServicePrior
+from tidal_core import Scheduler, UnitLoad
+from tidal_core.config import AdmissionConfig, ServicePrior
 
 log = logging.getLogger("tidalserve.unit")
 
@@ -77,7 +77,8 @@ class ServingUnit:
         self.scheduler = Scheduler(cfg, now=time.monotonic())
         self.metrics = UnitMetrics(self.unit)
         self.loop = EngineLoop(self.scheduler, self.group, self.metrics,
-                               coalescing=StreamCoalescing(app.streaming.interval_s, app.streaming.min_streams))
+                               coalescing=StreamCoalescing(app.streaming.interval_s, app.streaming.min_streams),
+                               unit_id=self.unit)
         self.info = ModelInfo(app.engine.model_id, self.group.max_model_len, tuple(self.group.eos_token_ids),
                               app.engine.backend)
         self._gauge_task: asyncio.Task[None] | None = None
@@ -105,6 +106,10 @@ class ServingUnit:
     async def model_info(self) -> ModelInfo:
         return self.info
 
+    async def admission_config(self) -> AdmissionConfig:
+        """The unit's admission rules: the ingress's front gate applies the same to its snapshots."""
+        return self.scheduler.config.admission
+
     async def health(self) -> bool:
         return self.loop.healthy
 
@@ -115,7 +120,11 @@ class ServingUnit:
         self.group.check_health()
 
     def _stats(self) -> dict[str, float]:
-        return self.scheduler.snapshot(time.monotonic(), self.unit).to_stats()
+        return self.loop.load(time.monotonic()).to_stats()
+
+    async def load_stats(self) -> UnitLoad:
+        """This unit's published snapshot: what the ingress's front-end admission polls (cheap)."""
+        return self.loop.load(time.monotonic())
 
     async def unit_state(self, check: bool = False) -> dict[str, Any]:
         """Operator view of the unit (and, with `check`, the scheduler's integrity check):
