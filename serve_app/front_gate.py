@@ -6,7 +6,11 @@ new request; the spread of every 429's retry-after: `tidal_core.RetrySpread`) an
 `FrontGateMiddleware` (the pure ASGI middleware that asks the gate before FastAPI reads, parses
 or validates a body: a refused request costs no JSON parsing, no tokenizing and no hop to a unit).
 
-Freshness. Two sources feed the snapshots: (1) every request the gate lets through asks its unit
+Freshness. In a burst, hundreds of requests arrive before the first verdict on any of them comes
+back; so each request let through is *pending* until its unit's verdict (or its end), and the
+prefill of the pending ones is counted on top of the snapshots (`FrontAdmission.check`'s
+`pending_s`, found through a context variable: the verdict arrives in the request's own task).
+Two sources feed the snapshots: (1) every request the gate lets through asks its unit
 to attach its `UnitLoad` to the admission verdict (`GenerateRequest.report_load`): a rejection
 carries it, an admission sends it at once in a chunk of its own; so while traffic flows, the gate
 knows each unit's state as of the last verdict, milliseconds old; (2) a background task polls
@@ -27,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import math
 import random
@@ -48,11 +53,24 @@ BYTES_PER_TOKEN = 6
 POLL_PERIOD_S = 0.1
 POLL_TIMEOUT_S = 1.0
 _FORGET_AFTER_S = 60.0  # a unit not heard from for this long (a replaced replica) is dropped
+PENDING_FOR_S = 5.0  # a request let through counts as pending at most this long
+
+
+@dataclasses.dataclass(eq=False)
+class _Ticket:
+    """A request let through, not yet seen by its unit: its estimated prefill and when it left."""
+
+    prefill_s: float
+    sent_s: float
+
+
+_TICKET: contextvars.ContextVar[_Ticket | None] = contextvars.ContextVar("tidal_front_ticket", default=None)
 
 
 class FrontGate:
     def __init__(self, admission: AdmissionConfig, poll: Callable[[], Awaitable[UnitLoad]] | None = None, *,
                  period_s: float = POLL_PERIOD_S, closed: Callable[[], OpenAIError | None] | None = None,
+                 pending_for_s: float = PENDING_FOR_S,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
         self.admission = FrontAdmission(admission)
         self.spread = RetrySpread(admission.max_retry_after_s)
@@ -64,10 +82,14 @@ class FrontGate:
         self.clock = clock
         self._rng = rng or random.Random()
         self._task: asyncio.Task[None] | None = None
+        self._pending: set[_Ticket] = set()
+        self.pending_for_s = pending_for_s
 
     # ---- snapshots ------------------------------------------------------------------------
     def observe(self, load: UnitLoad) -> None:
-        """A unit's snapshot, just received (from its verdict on a request, or from the poll)."""
+        """A unit's snapshot, just received (from its verdict on a request, or from the poll); in
+        a request's context, that request is no longer pending: the snapshot holds it."""
+        self.release()
         now = self.clock()
         self.sightings[load.unit_id] = Sighting(load, now)
         if len(self.sightings) > 1:
@@ -100,14 +122,36 @@ class FrontGate:
 
     # ---- verdicts -------------------------------------------------------------------------
     def refusal(self, body_bytes: int, waited_s: float = 0.0) -> OpenAIError | None:
-        """The error to answer a new request of `body_bytes` with, or None to let it through."""
+        """The error to answer a new request of `body_bytes` with, or None to let it through.
+        A request let through is *pending* (its prefill counted on top of the snapshots) until
+        its unit's verdict arrives in its context (`observe`) or the request ends (`release`)."""
         if self._closed is not None and (closed := self._closed()) is not None:
             return closed
-        verdict = self.admission.check(self.sightings.values(), self.clock(), body_bytes // BYTES_PER_TOKEN, waited_s)
-        if verdict is None:
-            return None
-        self.refused[verdict.reason] = self.refused.get(verdict.reason, 0) + 1
-        return _rate_limited(verdict)
+        now = self.clock()
+        tokens = body_bytes // BYTES_PER_TOKEN
+        verdict = self.admission.check(self.sightings.values(), now, tokens, waited_s, self._pending_s(now))
+        if verdict is not None:
+            self.refused[verdict.reason] = self.refused.get(verdict.reason, 0) + 1
+            return _rate_limited(verdict)
+        per_token = max((s.load.prefill_s_per_token for s in self.sightings.values()), default=0.0)
+        ticket = _Ticket(tokens * per_token, now)
+        self._pending.add(ticket)
+        _TICKET.set(ticket)
+        return None
+
+    def release(self) -> None:
+        """The current request's unit has answered (or the request is over): no longer pending."""
+        ticket = _TICKET.get()
+        if ticket is not None:
+            self._pending.discard(ticket)
+            _TICKET.set(None)
+
+    def _pending_s(self, now: float) -> float:
+        if not self._pending:
+            return 0.0
+        for old in [t for t in self._pending if now - t.sent_s > self.pending_for_s]:
+            self._pending.discard(old)  # a verdict lost on the way: a snapshot holds it by now
+        return sum(t.prefill_s for t in self._pending)
 
     def retry_after_s(self, base_s: float | None) -> float:
         """The spread retry-after of a 429 whose own estimate is `base_s` (the gate's or a unit's)."""
@@ -128,11 +172,17 @@ def _rate_limited(verdict: FrontRefusal) -> OpenAIError:
     return OpenAIError(429, verdict.message, "rate_limit_error", None, verdict.reason, verdict.retry_after_s)
 
 
-def gate_headers(gate: FrontGate | None, err: OpenAIError) -> dict[str, str]:
-    """The headers of an error response: a 429's retry-after spread by the gate, if there is one."""
+REFUSED_BY = "x-tidal-refused-by"  # on a 429 / 503: where it was decided (proxy, ingress, unit)
+
+
+def gate_headers(gate: FrontGate | None, err: OpenAIError, where: str) -> dict[str, str]:
+    """The headers of an error response: a 429's retry-after spread by the gate, if there is one,
+    and where the refusal was decided."""
     headers = err.headers()
     if gate is not None and err.status == 429:
         headers.update(gate.retry_headers(err.retry_after_s))
+    if err.status in (429, 503):
+        headers[REFUSED_BY] = where
     return headers
 
 
@@ -153,9 +203,14 @@ class FrontGateMiddleware:
             err = gate.refusal(int(length) if length.isdigit() else 0)
             if err is not None:
                 response = error_response(err)
-                response.headers.update(gate_headers(gate, err))
+                response.headers.update(gate_headers(gate, err, "ingress"))
                 await response(scope, receive, send)
                 return
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                gate.release()
+            return
         await self.app(scope, receive, send)
 
 

@@ -142,7 +142,7 @@ async def health(request: Request) -> Response:
 async def _on_openai_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, OpenAIError)
     response = error_response(exc)
-    response.headers.update(gate_headers(getattr(request.app.state, "front_gate", None), exc))
+    response.headers.update(gate_headers(getattr(request.app.state, "front_gate", None), exc, "unit"))
     return response
 
 

@@ -82,6 +82,11 @@ class ServingUnit:
         self.info = ModelInfo(app.engine.model_id, self.group.max_model_len, tuple(self.group.eos_token_ids),
                               app.engine.backend)
         self._gauge_task: asyncio.Task[None] | None = None
+        self._memory_baseline: Any = None
+        if os.environ.get("TIDAL_TRACEMALLOC"):  # memory diagnosis (benchmarks/soak.py --tracemalloc)
+            import tracemalloc
+
+            tracemalloc.start(int(os.environ["TIDAL_TRACEMALLOC"]))
         # Start at once, not on the first request: a new idle unit must already report its
         # gauges (dashboards, the unit-down alert) and its stats (routing, autoscaling).
         self._ensure_background()
@@ -141,6 +146,23 @@ class ServingUnit:
                 "regime_name": s.current_regime.value, "policy": s.config.policy,
                 "finished": dict(s.stats.finished), "rejected": dict(s.stats.rejected),
                 "preempted": dict(s.stats.preempted), "num_steps": s.stats.num_steps}
+
+    async def memory_growth(self, baseline: bool = False, top: int = 12) -> list[str]:
+        """Where this process's Python memory grew since the baseline (`baseline=True` takes it),
+        biggest first, with tracebacks; [] unless the process runs with TIDAL_TRACEMALLOC=<frames>."""
+        import gc
+        import tracemalloc
+
+        if not tracemalloc.is_tracing():
+            return []
+        gc.collect()
+        snap = tracemalloc.take_snapshot()
+        if baseline or self._memory_baseline is None:
+            self._memory_baseline = snap
+            return []
+        stats = snap.compare_to(self._memory_baseline, "traceback")
+        return [f"{s.size_diff / 2**10:+.1f} KiB in {s.count_diff:+d} blocks\n" + "\n".join(s.traceback.format())
+                for s in stats[:top]]
 
     def record_routing_stats(self) -> dict[str, float]:
         return self._stats()

@@ -7,14 +7,16 @@ of a unit holds the request, and before tokenizing: every rule reads the units' 
 request refused here costs no tokenizer work and no hop to a unit.
 
 The rules are those of `AdmissionController.check` (tidal_core/admission.py) on a snapshot.
-Given a prompt estimate no larger than the real prompt, each is a *lower bound* of what the unit
-itself would see, so the front end refuses only what the unit would refuse too; the unit's own
-check stays the final authority for every request let through:
+Given estimates no larger than the truth (of the prompt, and of the work sent since the
+snapshot), each is a *lower bound* of what the unit itself would see, so the front end refuses
+only what the unit would refuse too; the unit's own check stays the final authority for every
+request let through:
 
 - `queue_full`: the unit's queue held `max_queue_len` requests;
 - `prefill_backlog`: work was ahead and the predicted queueing delay, less the time elapsed
-  since the snapshot (the unit drains while the snapshot ages; arrivals since it only add),
-  plus the time this request already waited, plus its own prefill (its estimated prompt
+  since the snapshot (the unit drains while the snapshot ages), plus the prefill of the requests
+  the front end let through since (`pending_s`: in a burst, hundreds arrive before any verdict
+  comes back), plus the time this request already waited, plus its own prefill (its estimated prompt
   tokens x the unit's published `prefill_s_per_token`), exceeds the regime's limit
   (`target_ttft_s` in OVERLOAD, `burst_factor` x it otherwise);
 - `kv_pressure`: KV usage was at `kv_reject_usage` with requests waiting for room.
@@ -81,26 +83,26 @@ class FrontAdmission:
         self.max_age_s = max_age_s
 
     def check(self, sightings: Iterable[Sighting], now: float, prompt_tokens: int = 0,
-              waited_s: float = 0.0) -> FrontRefusal | None:
+              waited_s: float = 0.0, pending_s: float = 0.0) -> FrontRefusal | None:
         """None (let the request through) unless every fresh snapshot says its unit would refuse
         it; then the refusal with the shortest retry-after (the unit that frees up first).
-        `prompt_tokens` is the front end's estimate of the request's prompt (before tokenizing)."""
+        `prompt_tokens` is the front end's estimate of the request's prompt (before tokenizing);
+        `pending_s` the prefill time of the requests it let through that no snapshot holds yet
+        (shared evenly by the fresh units: the request router spreads them)."""
+        fresh = [(s.load, now - s.seen_s) for s in sightings if 0.0 <= now - s.seen_s <= self.max_age_s]
         refusals: list[FrontRefusal] = []
-        for sighting in sightings:
-            age = now - sighting.seen_s
-            if not 0.0 <= age <= self.max_age_s:
-                continue  # stale (or from the future: a clock bug): not believed
-            refusal = self.unit_verdict(sighting.load, age, prompt_tokens, waited_s)
+        for load, age in fresh:  # a stale snapshot (or one from the future: a clock bug) is not believed
+            refusal = self.unit_verdict(load, age, prompt_tokens, waited_s, pending_s / len(fresh))
             if refusal is None:
                 return None
             refusals.append(refusal)
         return min(refusals, key=lambda r: r.retry_after_s, default=None)
 
     def unit_verdict(self, load: UnitLoad, age_s: float, prompt_tokens: int = 0,
-                     waited_s: float = 0.0) -> FrontRefusal | None:
+                     waited_s: float = 0.0, pending_s: float = 0.0) -> FrontRefusal | None:
         """What the unit of `load` would answer a request of about `prompt_tokens` arriving
-        `age_s` after the snapshot, having already waited `waited_s`: a refusal, or None (it
-        might admit: the unit decides)."""
+        `age_s` after the snapshot, having already waited `waited_s`, with `pending_s` of prefill
+        sent its way since: a refusal, or None (it might admit: the unit decides)."""
         cfg = self.config
         if not cfg.enabled:
             return None
@@ -108,7 +110,8 @@ class FrontAdmission:
             retry = load.num_waiting / load.capacity_rps if load.capacity_rps > 0 else cfg.min_retry_after_s
             return self._refuse(load, "queue_full", retry,
                                 f"{load.num_waiting} requests are already queued (limit {cfg.max_queue_len})")
-        ahead_s = load.queue_delay_s - age_s  # drained since the snapshot, at most in real time
+        # Drained since the snapshot (at most in real time), plus what was sent since.
+        ahead_s = load.queue_delay_s - age_s + max(0.0, pending_s)
         # Work ahead (ahead_s > 0) is what makes the unit refuse at all: with none, it would start
         # the request at once, however long its prompt.
         ttft = waited_s + ahead_s + max(0, prompt_tokens) * load.prefill_s_per_token

@@ -204,3 +204,62 @@ def test_the_unit_reports_its_load_with_its_verdicts() -> None:
         await loop.stop()
 
     asyncio.run(main())
+
+
+def test_requests_let_through_count_until_their_verdict_so_a_burst_is_refused_before_any_returns() -> None:
+    clock = Clock()
+    gate = FrontGate(AdmissionConfig(target_ttft_s=1.0, burst_factor=2.0), clock=clock)
+    gate.observe(dataclasses.replace(IDLE, prefill_s_per_token=0.001))  # 1 ms per prompt token
+    body = 600  # bytes: ~100 tokens, ~0.1 s of prefill each
+    passed = 0
+    while gate.refusal(body) is None:
+        passed += 1
+        assert passed < 100
+    assert 19 <= passed <= 21  # ~2 s (burst_factor x the target) of prefill let through, then refused
+    clock.now += 0.5  # half a second later the unit has drained about 0.5 s of it: ~5 more pass
+    more = 0
+    while gate.refusal(body) is None:
+        more += 1
+        assert more < 100
+    assert 4 <= more <= 6
+
+    gate._pending.clear()  # as if their verdicts had come back: the unit's snapshot holds them now
+    gate.observe(dataclasses.replace(IDLE, prefill_s_per_token=0.001))
+    assert gate.refusal(body) is None and len(gate._pending) == 1
+
+    async def one_request() -> None:  # a request's own task: its unit's verdict releases it, not others
+        assert gate.refusal(body) is None and len(gate._pending) == 2
+        gate.observe(dataclasses.replace(IDLE, prefill_s_per_token=0.001))
+        assert len(gate._pending) == 1
+
+    asyncio.run(one_request())
+
+
+async def test_the_proxy_gate_refuses_by_route_and_releases_at_the_response_start() -> None:
+    from serve_app.proxy_gate import ProxyGateMiddleware, middlewares
+
+    forwarded: list[str] = []
+
+    async def downstream(scope: Any, receive: Any, send: Any) -> None:  # stands for Serve's routing
+        forwarded.append(scope["path"])
+        gated = scope["path"].startswith("/sim/v1/")
+        assert len(gate._pending) == gated  # let through: pending until its response starts
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        assert not gate._pending
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    proxy = ProxyGateMiddleware(downstream)
+    proxy._task = asyncio.get_running_loop().create_future()  # no controller to read apps from here
+    gate = FrontGate(AdmissionConfig(target_ttft_s=1.0), rng=random.Random(0))
+    proxy.gates["/sim"] = ("sim", gate)
+    c = httpx.AsyncClient(transport=httpx.ASGITransport(proxy), base_url="http://proxy")
+    async with c:
+        assert (await c.post("/sim/v1/chat/completions", json=CHAT)).status_code == 200
+        gate.observe(BUSY)
+        refused = await c.post("/sim/v1/chat/completions", json=CHAT)
+        other = await c.post("/other/v1/chat/completions", json=CHAT)  # not a tidalserve route: untouched
+        health = await c.get("/sim/health")
+    assert refused.status_code == 429 and refused.headers["retry-after-ms"] and other.status_code == 200
+    assert health.status_code == 200 and forwarded == ["/sim/v1/chat/completions", "/other/v1/chat/completions",
+                                                       "/sim/health"]
+    assert [m.cls for m in middlewares()] == [ProxyGateMiddleware]
