@@ -147,9 +147,24 @@ def run_bursts(args: argparse.Namespace) -> int:
     return 0
 
 
+def rescore(folder: Path) -> int:
+    """The burst figures and table recomputed from the raw runs a burst run saved (burst-*.json)."""
+    from tests.integration.reliability.burst import burst_figures
+
+    saved = {r["client"] + str(r["requests"]): r for r in json.loads((folder / "bursts.json").read_text())["results"]}
+    results = []
+    for path in sorted(folder.glob("burst-*.json"), key=lambda p: (int(p.name.split("-")[1]), p.name)):
+        figures = burst_figures(json.loads(path.read_text()))
+        old = saved.get(figures["client"] + str(figures["requests"]), {})
+        results.append({**old, **figures})
+    print(burst_table(results))
+    return 0
+
+
 def burst_table(results: list[dict[str, Any]]) -> str:
     cols = ["burst", "client", "outcomes", "attempts (x)", "429/503 ms p50 / p99 / max", "refused by",
-            "admitted TTFT ms p50 / p99 (<= 1 s)", "retries: peak per s", "Retry-After s min / p50 / max"]
+            "admitted TTFT ms p50 / p99 (<= 1 s)", "first token from 1st attempt ms p50 / p99", "retries: peak per s",
+            "Retry-After s min / p50 / max"]
     rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in results:
         rl, tt, ra = r["refusal_ms"], r["admitted_ttft_ms"], r["retry_after_s"]
@@ -159,6 +174,7 @@ def burst_table(results: list[dict[str, Any]]) -> str:
             f"{r['http_attempts']} ({r['amplification']})", f"{rl['p50']} / {rl['p99']} / {rl['max']}",
             ", ".join(f"{k} {v}" for k, v in r["refused_by"].items()),
             f"{tt['p50']} / {tt['p99']} ({tt['share_within_target']})",
+            "{p50} / {p99}".format(**r["first_token_from_first_attempt_ms"]),
             r["retries"]["peak_per_s"], f"{ra['min']} / {ra['p50']} / {ra['max']}")) + " |")
     return "\n".join(rows)
 
@@ -178,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burst", action="append", metavar="N:T", help="burst mode: N requests in T seconds (repeat)")
     p.add_argument("--client", action="append", choices=("httpx", "openai"), help="burst mode's client(s)")
     p.add_argument("--settle", type=float, default=20.0, help="burst mode: idle seconds before each burst")
+    p.add_argument("--rescore", type=Path, metavar="DIR", help="burst mode: the table again from DIR's raw runs")
     args = p.parse_args(argv)
+    if args.rescore:
+        return rescore(args.rescore)
     if args.burst:
         return run_bursts(args)
     capacity = sim_capacity_rps()

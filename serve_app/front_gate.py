@@ -15,7 +15,7 @@ to attach its `UnitLoad` to the admission verdict (`GenerateRequest.report_load`
 carries it, an admission sends it at once in a chunk of its own; so while traffic flows, the gate
 knows each unit's state as of the last verdict, milliseconds old; (2) a background task polls
 `ServingUnit.load_stats` every `period_s` (0.1 s), so a gate that refuses everything still sees the
-unit drain and opens again. A snapshot older than `max_age_s` (1 s) is not believed: with no fresh
+unit drain and opens again. A snapshot older than `max_age_s` (5 s) is not believed: with no fresh
 snapshot the request goes to the unit, whose own admission is the final authority.
 
 The request's prompt is estimated from the body's size (`Content-Length` / `BYTES_PER_TOKEN`, a

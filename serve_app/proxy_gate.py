@@ -34,7 +34,7 @@ from serve_app.openai.http_limits import JSON_ENDPOINTS, error_response
 
 logger = logging.getLogger("ray.serve")  # the proxy's own log (logs/serve/proxy_*.log)
 REFRESH_APPS_S = 2.0
-PENDING_FOR_S = 0.5
+PENDING_FOR_S = 2.0
 UNIT_DEPLOYMENT = "ServingUnit"
 
 

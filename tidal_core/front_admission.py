@@ -21,7 +21,9 @@ request let through:
   (`target_ttft_s` in OVERLOAD, `burst_factor` x it otherwise);
 - `kv_pressure`: KV usage was at `kv_reject_usage` with requests waiting for room.
 
-A snapshot older than `max_age_s` is not believed (no verdict). With several units, a request is
+A snapshot older than `max_age_s` (5 s) is not believed (no verdict); a younger one is aged: its
+queue drains in real time, so a busy snapshot refuses only while the queue it saw could not be
+gone. (A short horizon would open the gate exactly when the front end is too starved to poll.) With several units, a request is
 refused only when every unit with a fresh snapshot refuses it: the request router would pick the
 best one. The retry-after of a refusal is the unit's estimate (clamped as the unit clamps it);
 spreading retries over time is `RetrySpread`'s business (tidal_core/retry_spread.py).
@@ -43,7 +45,7 @@ from tidal_core.regime import Regime
 from tidal_core.scheduler import Scheduler
 from tidal_core.snapshot import UnitLoad
 
-DEFAULT_MAX_AGE_S = 1.0
+DEFAULT_MAX_AGE_S = 5.0  # aged by the drain, a busy snapshot keeps refusing until its queue would be gone
 _PROBE_TOKENS = 1024
 
 

@@ -106,8 +106,8 @@ async def test_idle_stale_or_absent_snapshots_let_requests_through(tok: Any) -> 
         assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200  # nothing heard yet
         gate.observe(IDLE)
         assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
-        gate.observe(BUSY)
-        clock.now += 1.5  # the busy snapshot is stale: the unit decides
+        gate.observe(dataclasses.replace(BUSY, queue_delay_s=30.0))
+        clock.now += 5.5  # the busy snapshot is stale: the unit decides
         assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
         assert (await c.get("/health")).status_code == 200  # never gated
     assert len(engine.requests) == 3
