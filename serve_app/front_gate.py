@@ -29,9 +29,11 @@ Must not import: torch, transformers.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import dataclasses
+import itertools
 import logging
 import math
 import random
@@ -70,7 +72,7 @@ _TICKET: contextvars.ContextVar[_Ticket | None] = contextvars.ContextVar("tidal_
 class FrontGate:
     def __init__(self, admission: AdmissionConfig, poll: Callable[[], Awaitable[UnitLoad]] | None = None, *,
                  period_s: float = POLL_PERIOD_S, closed: Callable[[], OpenAIError | None] | None = None,
-                 pending_for_s: float = PENDING_FOR_S,
+                 pending_for_s: float = PENDING_FOR_S, count_arrivals: bool = False,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
         self.admission = FrontAdmission(admission)
         self.spread = RetrySpread(admission.max_retry_after_s)
@@ -84,6 +86,11 @@ class FrontGate:
         self._task: asyncio.Task[None] | None = None
         self._pending: set[_Ticket] = set()
         self.pending_for_s = pending_for_s
+        # With `count_arrivals` (a gate that never sees the verdicts: the proxy's), the requests on
+        # the way are those let through less those the units say they received since first seen.
+        self.count_arrivals = count_arrivals
+        self._sent: collections.deque[float] = collections.deque(maxlen=65536)  # prefill estimates, in order
+        self._arrived: dict[str, tuple[int, int]] = {}  # unit -> (num_arrived when first seen, latest)
 
     # ---- snapshots ------------------------------------------------------------------------
     def observe(self, load: UnitLoad) -> None:
@@ -92,6 +99,8 @@ class FrontGate:
         self.release()
         now = self.clock()
         self.sightings[load.unit_id] = Sighting(load, now)
+        first, _ = self._arrived.get(load.unit_id, (load.num_arrived - len(self._sent), 0))
+        self._arrived[load.unit_id] = (first, load.num_arrived)
         if len(self.sightings) > 1:
             for uid in [u for u, s in self.sightings.items() if now - s.seen_s > _FORGET_AFTER_S]:
                 del self.sightings[uid]
@@ -134,6 +143,9 @@ class FrontGate:
             self.refused[verdict.reason] = self.refused.get(verdict.reason, 0) + 1
             return _rate_limited(verdict)
         per_token = max((s.load.prefill_s_per_token for s in self.sightings.values()), default=0.0)
+        if self.count_arrivals:
+            self._sent.append(tokens * per_token)
+            return None
         ticket = _Ticket(tokens * per_token, now)
         self._pending.add(ticket)
         _TICKET.set(ticket)
@@ -146,7 +158,16 @@ class FrontGate:
             self._pending.discard(ticket)
             _TICKET.set(None)
 
+    def in_flight(self) -> int:
+        """With `count_arrivals`: requests let through that no unit has reported receiving yet (other
+        front ends' requests count as received ones, so this errs low, never high)."""
+        received = sum(latest - first for first, latest in self._arrived.values())
+        return max(0, min(len(self._sent), len(self._sent) - received)) if self._sent else 0
+
     def _pending_s(self, now: float) -> float:
+        if self.count_arrivals:
+            n = self.in_flight()
+            return sum(itertools.islice(reversed(self._sent), n)) if n else 0.0
         if not self._pending:
             return 0.0
         for old in [t for t in self._pending if now - t.sent_s > self.pending_for_s]:

@@ -12,8 +12,10 @@ through meet the ingress's gate and then the unit's admission, the final authori
 
 How it sees the units: every 2 s the applications with a `ServingUnit` deployment and their route
 prefixes are read from the controller; each gets a gate that polls its unit's `load_stats` every
-0.1 s. The proxy never sees a unit's verdict, so a request it lets through counts as pending until
-its response starts or for `PENDING_FOR_S` (by then the poll's snapshot holds it).
+0.1 s. The proxy never sees a unit's verdict, so the requests on the way are counted from the
+units' own arrival counters (`UnitLoad.num_arrived`): let through, less received since the gate
+first saw each unit. However congested the path from here to the unit, they count until they
+arrive (a time horizon would open the gate exactly when the path is slowest).
 
 Must not import: torch, transformers.
 """
@@ -34,7 +36,6 @@ from serve_app.openai.http_limits import JSON_ENDPOINTS, error_response
 
 logger = logging.getLogger("ray.serve")  # the proxy's own log (logs/serve/proxy_*.log)
 REFRESH_APPS_S = 2.0
-PENDING_FOR_S = 2.0
 UNIT_DEPLOYMENT = "ServingUnit"
 
 
@@ -110,7 +111,7 @@ class ProxyGateMiddleware:
             async def poll(handle: Any = handle) -> Any:
                 return await handle.load_stats.remote()
 
-            gate = FrontGate(admission, poll, pending_for_s=PENDING_FOR_S)
+            gate = FrontGate(admission, poll, count_arrivals=True)
             gate.start()
             self.gates[prefix] = (name, gate)
             logger.info("proxy gate: admission for application %r at %r", name, prefix)

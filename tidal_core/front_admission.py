@@ -23,13 +23,14 @@ request let through:
 
 A snapshot older than `max_age_s` (5 s) is not believed (no verdict); a younger one is aged: its
 queue drains in real time, so a busy snapshot refuses only while the queue it saw could not be
-gone. (A short horizon would open the gate exactly when the front end is too starved to poll.) With several units, a request is
-refused only when every unit with a fresh snapshot refuses it: the request router would pick the
-best one. The retry-after of a refusal is the unit's estimate (clamped as the unit clamps it);
-spreading retries over time is `RetrySpread`'s business (tidal_core/retry_spread.py).
+gone. (A short horizon would open the gate exactly when the front end is too starved to poll.)
+With several units, a request is refused only when every unit with a fresh snapshot refuses
+it: the request router would pick the best one. The retry-after of a refusal is the unit's
+estimate (clamped as the unit clamps it); spreading retries over time is `RetrySpread`'s
+business (tidal_core/retry_spread.py).
 
 `published_load` is the snapshot a unit publishes for this: `Scheduler.snapshot` with
-`prefill_s_per_token` measured as the scheduler's own marginal TTFT prediction.
+`prefill_s_per_token` measured as the scheduler's own marginal TTFT prediction and `num_arrived`.
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """
@@ -54,7 +55,8 @@ def published_load(sched: Scheduler, now: float, unit_id: str = "") -> UnitLoad:
     predicted TTFT now (the measured prefill speed, corrections included)."""
     snap = sched.snapshot(now, unit_id)
     with_prompt = sched.predicted_queue_delay_s(now, _PROBE_TOKENS)
-    return dataclasses.replace(snap, prefill_s_per_token=max(0.0, with_prompt - snap.queue_delay_s) / _PROBE_TOKENS)
+    return dataclasses.replace(snap, prefill_s_per_token=max(0.0, with_prompt - snap.queue_delay_s) / _PROBE_TOKENS,
+                               num_arrived=sched.stats.num_arrived)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +114,9 @@ class FrontAdmission:
             retry = load.num_waiting / load.capacity_rps if load.capacity_rps > 0 else cfg.min_retry_after_s
             return self._refuse(load, "queue_full", retry,
                                 f"{load.num_waiting} requests are already queued (limit {cfg.max_queue_len})")
-        # Drained since the snapshot (at most in real time), plus what was sent since.
-        ahead_s = load.queue_delay_s - age_s + max(0.0, pending_s)
+        # The snapshot's queue drained since (at most in real time), plus what was sent since, which
+        # does not drain before it arrives.
+        ahead_s = max(0.0, load.queue_delay_s - age_s) + max(0.0, pending_s)
         # Work ahead (ahead_s > 0) is what makes the unit refuse at all: with none, it would start
         # the request at once, however long its prompt.
         ttft = waited_s + ahead_s + max(0, prompt_tokens) * load.prefill_s_per_token

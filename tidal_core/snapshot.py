@@ -25,7 +25,9 @@ class UnitLoad:
     request would see (the admission's and the router's score); `load` is utilisation (see
     core/load.py) against `capacity_rps`, the measured service capacity. `prefill_s_per_token` is
     what one more prompt token would add to a new request's predicted TTFT (0: not published),
-    so a front end can add a request's own prefill to `queue_delay_s` (tidal_core/front_admission.py)."""
+    so a front end can add a request's own prefill to `queue_delay_s`, and `num_arrived` counts the
+    requests it has received, so a front end can tell how many it sent are still on the way
+    (tidal_core/front_admission.py)."""
 
     unit_id: str
     num_running: int
@@ -37,6 +39,7 @@ class UnitLoad:
     regime: Regime = Regime.LIGHT
     healthy: bool = True
     prefill_s_per_token: float = 0.0
+    num_arrived: int = 0  # requests the unit has received since it started (admitted or not)
 
     def to_stats(self) -> dict[str, float]:
         """The wire form: floats only (Serve's stats contract); the unit id is the replica's."""
@@ -49,6 +52,7 @@ class UnitLoad:
             "capacity_rps": self.capacity_rps,
             "regime": float(REGIME_LEVEL[self.regime]),
             "prefill_s_per_token": self.prefill_s_per_token,
+            "num_arrived": float(self.num_arrived),
         }
 
     @classmethod
@@ -58,7 +62,8 @@ class UnitLoad:
         return cls(unit_id, int(s.get("num_running", 0)), int(s.get("num_waiting", 0)),
                    float(s.get("queue_delay_s", 0.0)), float(s.get("kv_usage", 0.0)), float(s.get("load", 0.0)),
                    float(s.get("capacity_rps", 0.0)), _REGIME_BY_LEVEL.get(int(s.get("regime", 0)), Regime.LIGHT),
-                   prefill_s_per_token=float(s.get("prefill_s_per_token", 0.0)))
+                   prefill_s_per_token=float(s.get("prefill_s_per_token", 0.0)),
+                   num_arrived=int(s.get("num_arrived", 0)))
 
 
 STAT_KEYS: tuple[str, ...] = tuple(UnitLoad("", 0, 0, 0.0, 0.0).to_stats())

@@ -76,7 +76,8 @@ def test_with_several_units_a_request_is_refused_only_if_every_fresh_one_refuses
     refusal = front.check([busy_a, busy_b], 0.0)
     assert refusal is not None and refusal.unit_id == "b"  # the one that frees up first
     assert front.check([busy_a, busy_b, Sighting(_load("c", waiting=0, delay=0.0), 0.0)], 0.0) is None
-    assert front.check([busy_a, Sighting(_load("c", waiting=0, delay=0.0), -10.0)], 0.0) is not None  # c's view is stale
+    stale_c = Sighting(_load("c", waiting=0, delay=0.0), -10.0)
+    assert front.check([busy_a, stale_c], 0.0) is not None  # c's view is stale
 
 
 def test_retry_after_is_clamped_like_the_units() -> None:

@@ -216,12 +216,8 @@ def test_requests_let_through_count_until_their_verdict_so_a_burst_is_refused_be
         passed += 1
         assert passed < 100
     assert 19 <= passed <= 21  # ~2 s (burst_factor x the target) of prefill let through, then refused
-    clock.now += 0.5  # half a second later the unit has drained about 0.5 s of it: ~5 more pass
-    more = 0
-    while gate.refusal(body) is None:
-        more += 1
-        assert more < 100
-    assert 4 <= more <= 6
+    clock.now += 0.5  # work still on its way to the unit does not drain: nothing more passes
+    assert gate.refusal(body) is not None
 
     gate._pending.clear()  # as if their verdicts had come back: the unit's snapshot holds them now
     gate.observe(dataclasses.replace(IDLE, prefill_s_per_token=0.001))
