@@ -87,9 +87,12 @@ class FrontGate:
         self._pending: set[_Ticket] = set()
         self.pending_for_s = pending_for_s
         # With `count_arrivals` (a gate that never sees the verdicts: the proxy's), the requests on
-        # the way are those let through less those the units say they received since first seen.
+        # the way are those let through, less those the units say they received since first seen,
+        # less those answered without reaching a unit, and never more than those still open.
         self.count_arrivals = count_arrivals
-        self._sent: collections.deque[float] = collections.deque(maxlen=65536)  # prefill estimates, in order
+        self._sent: collections.deque[float] = collections.deque(maxlen=4096)  # prefill estimates, in order
+        self._num_sent = 0
+        self._num_skipped = 0  # answered without reaching a unit (the ingress refused them, a 400...)
         self._arrived: dict[str, tuple[int, int]] = {}  # unit -> (num_arrived when first seen, latest)
 
     # ---- snapshots ------------------------------------------------------------------------
@@ -99,7 +102,7 @@ class FrontGate:
         self.release()
         now = self.clock()
         self.sightings[load.unit_id] = Sighting(load, now)
-        first, _ = self._arrived.get(load.unit_id, (load.num_arrived - len(self._sent), 0))
+        first, _ = self._arrived.get(load.unit_id, (load.num_arrived - self._num_sent + self._num_skipped, 0))
         self._arrived[load.unit_id] = (first, load.num_arrived)
         if len(self.sightings) > 1:
             for uid in [u for u, s in self.sightings.items() if now - s.seen_s > _FORGET_AFTER_S]:
@@ -145,7 +148,7 @@ class FrontGate:
         per_token = max((s.load.prefill_s_per_token for s in self.sightings.values()), default=0.0)
         if self.count_arrivals:
             self._sent.append(tokens * per_token)
-            return None
+            self._num_sent += 1
         ticket = _Ticket(tokens * per_token, now)
         self._pending.add(ticket)
         _TICKET.set(ticket)
@@ -158,11 +161,18 @@ class FrontGate:
             self._pending.discard(ticket)
             _TICKET.set(None)
 
+    def answered(self, reached_a_unit: bool) -> None:
+        """With `count_arrivals`: the current request's response starts; it ends its pending time
+        (`release`), and one that never reached a unit will never show in its arrival counter."""
+        if _TICKET.get() is not None and not reached_a_unit:
+            self._num_skipped += 1
+        self.release()
+
     def in_flight(self) -> int:
         """With `count_arrivals`: requests let through that no unit has reported receiving yet (other
-        front ends' requests count as received ones, so this errs low, never high)."""
+        front ends' requests count as received ones, so this errs low), at most those still open."""
         received = sum(latest - first for first, latest in self._arrived.values())
-        return max(0, min(len(self._sent), len(self._sent) - received)) if self._sent else 0
+        return max(0, min(len(self._pending), len(self._sent), self._num_sent - self._num_skipped - received))
 
     def _pending_s(self, now: float) -> float:
         if self.count_arrivals:

@@ -14,8 +14,10 @@ How it sees the units: every 2 s the applications with a `ServingUnit` deploymen
 prefixes are read from the controller; each gets a gate that polls its unit's `load_stats` every
 0.1 s. The proxy never sees a unit's verdict, so the requests on the way are counted from the
 units' own arrival counters (`UnitLoad.num_arrived`): let through, less received since the gate
-first saw each unit. However congested the path from here to the unit, they count until they
-arrive (a time horizon would open the gate exactly when the path is slowest).
+first saw each unit, less those answered without reaching one (refused by the ingress: its
+`x-tidal-refused-by`; a 400), and never more than the requests still open. However congested the
+path from here to the unit, they count until they arrive (a time horizon would open the gate
+exactly when the path is slowest), and none counts past its end.
 
 Must not import: torch, transformers.
 """
@@ -31,7 +33,7 @@ from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve_app.front_gate import FrontGate, gate_headers
+from serve_app.front_gate import REFUSED_BY, FrontGate, gate_headers
 from serve_app.openai.http_limits import JSON_ENDPOINTS, error_response
 
 logger = logging.getLogger("ray.serve")  # the proxy's own log (logs/serve/proxy_*.log)
@@ -69,8 +71,10 @@ class ProxyGateMiddleware:
             return
 
         async def send_and_release(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                gate.release()
+            if message["type"] == "http.response.start":  # the unit's verdict, or none came
+                status = int(message.get("status", 0))
+                where = Headers(raw=list(message.get("headers", []))).get(REFUSED_BY)
+                gate.answered(reached_a_unit=status == 200 or where == "unit")
             await send(message)
 
         try:

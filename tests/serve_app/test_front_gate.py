@@ -259,3 +259,18 @@ async def test_the_proxy_gate_refuses_by_route_and_releases_at_the_response_star
     assert health.status_code == 200 and forwarded == ["/sim/v1/chat/completions", "/other/v1/chat/completions",
                                                        "/sim/health"]
     assert [m.cls for m in middlewares()] == [ProxyGateMiddleware]
+
+
+def test_requests_answered_without_reaching_a_unit_do_not_stay_on_the_way() -> None:
+    import contextvars
+
+    gate = FrontGate(AdmissionConfig(target_ttft_s=1.0), clock=Clock(), count_arrivals=True)
+    gate.observe(dataclasses.replace(IDLE, prefill_s_per_token=0.001, num_arrived=7))
+
+    def refused_by_the_ingress() -> None:  # one request's context, as in the proxy's middleware
+        assert gate.refusal(600) is None
+        gate.answered(reached_a_unit=False)
+
+    for _ in range(200):  # far more than 2 s of prefill, had they all stayed counted
+        contextvars.copy_context().run(refused_by_the_ingress)
+    assert gate.in_flight() == 0 and gate.refusal(600) is None
