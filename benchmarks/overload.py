@@ -17,6 +17,18 @@ fixed cost every answer pays.
 
     RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled python benchmarks/overload.py \
         [--duration 60] [--load 3] [--seed 8] [--out runs/overload]
+
+Burst mode (`--burst N:T`, repeatable): configs/sim.yaml as shipped, one app, N chat requests
+evenly spaced over T seconds (prompts of 50-450 words, max_tokens 128, streamed), sent with plain
+httpx (one attempt each) and/or the official `openai` client with its default retries
+(`--client`, repeatable); the unit drained and left idle `--settle` seconds between bursts.
+Reported per burst: every request's outcome, the refusals' latency (p50/p99/max, per attempt),
+the admitted requests' TTFT against the 1 s target, amplification (HTTP attempts per request),
+how the retries arrived (peak per second), where the refusals were decided (the unit's own
+count of rejections; the rest at the front gate) and the CPU of each process:
+
+    RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled python benchmarks/overload.py \
+        --burst 400:2 --burst 2000:10 --client httpx --client openai --out runs/burst
 """
 
 from __future__ import annotations
@@ -98,6 +110,75 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def run_bursts(args: argparse.Namespace) -> int:
+    """Burst mode: each (burst, client) pair in turn against one app of configs/sim.yaml as shipped."""
+    from tests.integration.reliability.burst import BurstSpec, burst_figures, run_burst
+    from tests.integration.reliability.cluster import SIM_MODEL, unit_state
+
+    app = "burst"
+    report: dict[str, Any] = {"machine_at_start": machine(), "results": []}
+    with serve_cluster([app_from_config("sim", app, f"/{app}")]) as base:
+        url = f"{base}/{app}"
+        report["idle_health"] = idle_health_ms(url)
+        for burst in args.burst:
+            n, seconds = burst.split(":")
+            for client in args.client or ["httpx"]:
+                spec = BurstSpec(int(n), float(seconds), seed=args.seed)
+                time.sleep(args.settle)
+                before = unit_state(app)
+                meter = CpuMeter({"proxy": [a["pid"] for a in alive_actors("ProxyActor")],
+                                  "ingress": replica_pids(app, "Ingress"), "unit": replica_pids(app, "ServingUnit")})
+                meter.start()
+                run = asyncio.run(run_burst(url, SIM_MODEL, spec, client))
+                cpu = meter.stop()
+                state, _ = wait_drained(app, timeout_s=600.0)
+                figures = burst_figures(run)
+                figures["unit_rejections"] = sum(state["rejected"].values()) - sum(before["rejected"].values())
+                figures["regime_before"] = before["regime_name"]
+                figures.update(cpu=cpu, load_avg_after=machine()["load_avg_1_5_15"], drained=state["num_requests"] == 0
+                               and state["num_free_blocks"] == state["num_blocks"])
+                report["results"].append(figures)
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / f"burst-{n}-{seconds}-{client}.json").write_text(json.dumps(run))
+                print(json.dumps(figures), flush=True)
+    report["machine_at_end"] = machine()
+    (args.out / "bursts.json").write_text(json.dumps(report, indent=1))
+    print(burst_table(report["results"]))
+    return 0
+
+
+def rescore(folder: Path) -> int:
+    """The burst figures and table recomputed from the raw runs a burst run saved (burst-*.json)."""
+    from tests.integration.reliability.burst import burst_figures
+
+    saved = {r["client"] + str(r["requests"]): r for r in json.loads((folder / "bursts.json").read_text())["results"]}
+    results = []
+    for path in sorted(folder.glob("burst-*.json"), key=lambda p: (int(p.name.split("-")[1]), p.name)):
+        figures = burst_figures(json.loads(path.read_text()))
+        old = saved.get(figures["client"] + str(figures["requests"]), {})
+        results.append({**old, **figures})
+    print(burst_table(results))
+    return 0
+
+
+def burst_table(results: list[dict[str, Any]]) -> str:
+    cols = ["burst", "client", "outcomes", "attempts (x)", "429/503 ms p50 / p99 / max", "refused by",
+            "admitted TTFT ms p50 / p99 (<= 1 s)", "first token from 1st attempt ms p50 / p99", "retries: peak per s",
+            "Retry-After s min / p50 / max"]
+    rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in results:
+        rl, tt, ra = r["refusal_ms"], r["admitted_ttft_ms"], r["retry_after_s"]
+        rows.append("| " + " | ".join(str(x) for x in (
+            f"{r['requests']} in {r['burst_s']:g} s", r["client"],
+            ", ".join(f"{k}: {v}" for k, v in r["outcomes"].items()),
+            f"{r['http_attempts']} ({r['amplification']})", f"{rl['p50']} / {rl['p99']} / {rl['max']}",
+            ", ".join(f"{k} {v}" for k, v in r["refused_by"].items()),
+            f"{tt['p50']} / {tt['p99']} ({tt['share_within_target']})",
+            "{p50} / {p99}".format(**r["first_token_from_first_attempt_ms"]),
+            r["retries"]["peak_per_s"], f"{ra['min']} / {ra['p50']} / {ra['max']}")) + " |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--duration", type=float, default=60.0)
@@ -110,7 +191,15 @@ def main(argv: list[str] | None = None) -> int:
                         "each; default: the config's)")
     p.add_argument("--min-streams", type=int, default=None, help="args.streaming.min_streams (default: the config's)")
     p.add_argument("--out", type=Path, default=Path("runs/overload"))
+    p.add_argument("--burst", action="append", metavar="N:T", help="burst mode: N requests in T seconds (repeat)")
+    p.add_argument("--client", action="append", choices=("httpx", "openai"), help="burst mode's client(s)")
+    p.add_argument("--settle", type=float, default=20.0, help="burst mode: idle seconds before each burst")
+    p.add_argument("--rescore", type=Path, metavar="DIR", help="burst mode: the table again from DIR's raw runs")
     args = p.parse_args(argv)
+    if args.rescore:
+        return rescore(args.rescore)
+    if args.burst:
+        return run_bursts(args)
     capacity = sim_capacity_rps()
     args.rate = args.load * capacity
     variants = [(pol, interval) for pol in args.policy or list(POLICIES)

@@ -33,6 +33,7 @@ from tests.integration.reliability.cluster import (
     app_from_config,
     machine,
     replicas_rss,
+    router_handle,
     serve_cluster,
     wait_drained,
 )
@@ -54,7 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--days", type=int, default=1, help="play the day this many times in a row")
     p.add_argument("--drain", type=float, default=600.0, help="seconds in-flight requests may take after a day")
     p.add_argument("--out", type=Path, default=Path("runs/soak"))
+    p.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
+                   help="trace the ServingUnit's allocations (tracemalloc, FRAMES deep) and report where memory "
+                        "grew from the warm-up to the end of each day (slows the unit)")
     args = p.parse_args(argv)
+    if args.tracemalloc:
+        import os
+
+        os.environ["TIDAL_TRACEMALLOC"] = str(args.tracemalloc)  # inherited by the cluster's processes
     capacity = sim_capacity_rps()
     report: dict[str, Any] = {"machine_at_start": machine(), "capacity_rps": round(capacity, 3),
                               "duration_s": args.duration, "peak_load": args.peak_load, "days": []}
@@ -62,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         url = base + "/sim"
         asyncio.run(run_load(url, "sim", azure_trace(2.0, 20.0, seed=1, max_output=64), args.out / "warmup"))
         wait_drained("sim")
+        unit = router_handle("sim")
+        unit.memory_growth.remote(baseline=True).result(timeout_s=120)
         before = first = replicas_rss("sim")
         for day in range(args.days):
             trace = soak_trace(args.duration, args.peak_load, capacity, seed=args.seed + day)
@@ -76,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             print("RSS (MB) every minute:", [{k: round(v / 2**20, 1) for k, v in s.items() if k != "t"}
                                              for s in rss[::12]], flush=True)
             (args.out / f"day{day}" / "rss.json").write_text(json.dumps(rss))
+            growth = unit.memory_growth.remote().result(timeout_s=300)
+            if growth:
+                (args.out / f"day{day}" / "tracemalloc.txt").write_text("\n\n".join(growth))
+                print("ServingUnit memory growth since the warm-up (tracemalloc):", *growth[:6], sep="\n", flush=True)
             before = after
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "soak.json").write_text(json.dumps(report, indent=1))

@@ -23,7 +23,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from serve_app.unit_api import UNIT_REPLACED, EngineError, GenerateChunk, GenerateRequest
-from tidal_core import Idle, Request, Run, Scheduler, StepPlan, WaitUntil
+from tidal_core import Idle, Request, Run, Scheduler, StepPlan, UnitLoad, WaitUntil
+from tidal_core.front_admission import published_load
 from tidal_core.plan import AsyncExecutor
 
 log = logging.getLogger("tidalserve.engine")
@@ -95,8 +96,9 @@ class StreamCoalescing:
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, executor: AsyncExecutor, observer: EngineObserver | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 coalescing: StreamCoalescing = StreamCoalescing()) -> None:
+                 coalescing: StreamCoalescing = StreamCoalescing(), unit_id: str = "") -> None:
         self.sched = scheduler
+        self.unit_id = unit_id
         self.coalescing = coalescing
         self.executor = executor
         self.observer = observer
@@ -151,12 +153,15 @@ class EngineLoop:
             status, kind = (429, "rate_limit_error") if rejection.retryable else (400, "invalid_request_error")
             yield GenerateChunk(num_prompt_tokens=req.num_prompt_tokens,
                                 error=EngineError(status, kind, rejection.reason, rejection.message,
-                                                  rejection.retry_after_s if rejection.retryable else None))
+                                                  rejection.retry_after_s if rejection.retryable else None),
+                                load=self.load(now) if gen.report_load else None)
             return
         stream = _Stream(req, gen.sampling.logprobs is not None)
         self.streams[gen.request_id] = stream
         self._wake.set()
         try:
+            if gen.report_load:  # the admission verdict, at once (the first token may be seconds away)
+                yield GenerateChunk(load=self.load(now))
             async for chunk in self._drain(stream):
                 yield chunk
         finally:
@@ -164,6 +169,10 @@ class EngineLoop:
             if not req.is_finished:
                 self.sched.abort(gen.request_id, self.clock())
                 self._wake.set()
+
+    def load(self, now: float) -> UnitLoad:
+        """The unit's published snapshot (front-end admission, routing, autoscaling)."""
+        return published_load(self.sched, now, self.unit_id)
 
     async def _hold(self, stream: _Stream) -> None:
         """Wait until the stream's next chunk is due (see StreamCoalescing), or until it ends."""

@@ -6,7 +6,9 @@ malformed JSON, 404, 405, 413, 415, 429 and 503 with `Retry-After`, 500 only for
 `SSEResponse` (closing it cancels the engine request: client disconnects free KV),
 `HandleEngineClient` (a router `DeploymentHandle` as an `EngineClient`) and the `Ingress`
 deployment, which loads the tokenizer and the model's sampling defaults and builds one
-`OpenAIServer` per replica.
+`OpenAIServer` and one `FrontGate` (serve_app/front_gate.py: front-end admission, before any
+queue) per replica. Every 429 leaves with its retry-after spread by the gate (`Retry-After` and
+`retry-after-ms`).
 
 Wiring with `@serve.ingress(app)`: Serve runs a frozen copy of the module-level `app`; routes find
 the replica's `OpenAIServer` in `request.app.state`, which `Ingress.__serve_build_asgi_app__`
@@ -20,9 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, cast
 
 from fastapi import APIRouter, FastAPI, Request
@@ -36,7 +39,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from serve_app.openai.errors import OpenAIError, server_error, unavailable
+from serve_app.front_gate import FrontGate, FrontGateMiddleware, gate_headers
+from serve_app.openai.errors import OpenAIError, from_engine_error, server_error, unavailable
 from serve_app.openai.http_limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, error_response
 from serve_app.openai.requests import ChatCompletionRequest, CompletionRequest
 from serve_app.openai.responses import (
@@ -51,6 +55,7 @@ from serve_app.openai.sampling_defaults import read_generation_config, resolve_s
 from serve_app.openai.server import EventStream, OpenAIServer
 from serve_app.openai.validation import format_validation_errors
 from serve_app.unit_api import UNIT_REPLACED, EngineError, GenerateChunk, GenerateRequest, ModelInfo
+from tidal_core import AdmissionConfig, UnitLoad
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -144,7 +149,9 @@ async def health(request: Request) -> Response:
 
 async def _on_openai_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, OpenAIError)
-    return error_response(exc)
+    response = error_response(exc)
+    response.headers.update(gate_headers(getattr(request.app.state, "front_gate", None), exc, "unit"))
+    return response
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> Response:
@@ -179,8 +186,10 @@ def build_app(server: OpenAIServer | None = None, max_body_bytes: int = DEFAULT_
                   description="OpenAI-compatible completions and chat completions (see docs/api.md).")
     app.state.openai_server = server
     app.state.max_body_bytes = max_body_bytes
+    app.state.front_gate = None
     app.include_router(api)
     app.add_middleware(BodyLimitMiddleware)
+    app.add_middleware(FrontGateMiddleware)  # outermost: before any body is read
     app.add_exception_handler(OpenAIError, _on_openai_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
@@ -224,22 +233,41 @@ class HandleEngineClient:
     PROBE_TIMEOUT_S = 1.0
     RECOVERING_RETRY_AFTER_S = 5.0
 
-    def __init__(self, router: DeploymentHandle[Any], model_info: ModelInfo) -> None:
+    def __init__(self, router: DeploymentHandle[Any], model_info: ModelInfo,
+                 on_load: Callable[[UnitLoad], None] | None = None) -> None:
         self._router = router
         self.model_info = model_info
+        self.on_load = on_load  # each unit's snapshot, as its verdicts bring them (the front gate's feed)
         self.recovering = False
         self._probe: asyncio.Task[None] | None = None  # a strong reference keeps the task alive
+
+    def recovering_error(self) -> OpenAIError | None:
+        """503 + Retry-After while a failed unit is rebuilt (answered at the door by the front gate)."""
+        if not self.recovering:
+            return None
+        return from_engine_error(EngineError.unavailable("engine_recovering", UNIT_REPLACED,
+                                                         self.RECOVERING_RETRY_AFTER_S))
+
+    async def load(self) -> UnitLoad:
+        """One unit's published snapshot (the front gate's poll)."""
+        return cast(UnitLoad, await self._router.load_stats.remote())
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         if self.recovering:
             yield GenerateChunk(error=EngineError.unavailable("engine_recovering", UNIT_REPLACED,
                                                               self.RECOVERING_RETRY_AFTER_S))
             return
+        if self.on_load is not None:
+            request = dataclasses.replace(request, report_load=True)
         response = cast(DeploymentResponseGenerator[GenerateChunk],
                         self._router.generate.options(stream=True).remote(request))
         finished = False  # the router is done once it sent a finish reason or an error (the contract)
         try:
             async for chunk in response:
+                if chunk.load is not None and self.on_load is not None:
+                    self.on_load(chunk.load)
+                    if not chunk.token_ids and chunk.finish_reason is None and chunk.error is None:
+                        continue  # the admission verdict's snapshot alone: nothing to render
                 finished = chunk.finish_reason is not None or chunk.error is not None
                 if chunk.error is not None and chunk.error.code == "engine_failed":
                     self._unit_failed()
@@ -331,8 +359,12 @@ class Ingress:
         tokenizer = await asyncio.to_thread(model_loader.load_tokenizer, path)
         info: ModelInfo = await router.model_info.remote()
         sampling = resolve_sampling_defaults(read_generation_config(path), _config_sampling(model))
-        self.server = OpenAIServer(HandleEngineClient(router, info), tokenizer, model_aliases=aliases,
-                                   request_timeout_s=timeout, sampling_defaults=sampling)
+        admission: AdmissionConfig = await router.admission_config.remote()
+        engine = HandleEngineClient(router, info)
+        self.gate = FrontGate(admission, engine.load, closed=engine.recovering_error)
+        engine.on_load = self.gate.observe
+        self.server = OpenAIServer(engine, tokenizer, model_aliases=aliases, request_timeout_s=timeout,
+                                   sampling_defaults=sampling)
         logger.info("ingress ready: model %r (aliases %s), max_model_len %d, sampling defaults %s", info.model_id,
                     aliases, info.max_model_len, sampling.describe())
 
@@ -341,4 +373,5 @@ class Ingress:
         asgi = self.app  # type: ignore[attr-defined]
         asgi.state.openai_server = self.server
         asgi.state.max_body_bytes = self.max_body_bytes
+        asgi.state.front_gate = self.gate
         return asgi

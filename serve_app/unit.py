@@ -24,8 +24,8 @@ from serve_app.config_loader import AppArgs, EngineArgs, scheduler_config
 from serve_app.engine_loop import EngineLoop, StreamCoalescing
 from serve_app.metrics import UnitMetrics
 from serve_app.unit_api import GenerateChunk, GenerateRequest, ModelInfo
-from tidal_core import Scheduler
-from tidal_core.config import ServicePrior
+from tidal_core import Scheduler, UnitLoad
+from tidal_core.config import AdmissionConfig, ServicePrior
 
 if TYPE_CHECKING:
     from actors.replica import ReplicaGroup
@@ -91,10 +91,16 @@ class ServingUnit:
         self.scheduler = Scheduler(cfg, now=time.monotonic())
         self.metrics = UnitMetrics(self.unit)
         self.loop = EngineLoop(self.scheduler, self.group, self.metrics,
-                               coalescing=StreamCoalescing(app.streaming.interval_s, app.streaming.min_streams))
+                               coalescing=StreamCoalescing(app.streaming.interval_s, app.streaming.min_streams),
+                               unit_id=self.unit)
         self.info = ModelInfo(app.engine.model_id, self.group.max_model_len, tuple(self.group.eos_token_ids),
                               app.engine.backend)
         self._gauge_task: asyncio.Task[None] | None = None
+        self._memory_baseline: Any = None
+        if os.environ.get("TIDAL_TRACEMALLOC"):  # memory diagnosis (benchmarks/soak.py --tracemalloc)
+            import tracemalloc
+
+            tracemalloc.start(int(os.environ["TIDAL_TRACEMALLOC"]))
         # Start at once, not on the first request: a new idle unit must already report its
         # gauges (dashboards, the unit-down alert) and its stats (routing, autoscaling).
         self._ensure_background()
@@ -119,6 +125,10 @@ class ServingUnit:
     async def model_info(self) -> ModelInfo:
         return self.info
 
+    async def admission_config(self) -> AdmissionConfig:
+        """The unit's admission rules: the ingress's front gate applies the same to its snapshots."""
+        return self.scheduler.config.admission
+
     async def health(self) -> bool:
         return self.loop.healthy
 
@@ -129,7 +139,11 @@ class ServingUnit:
         self.group.check_health()
 
     def _stats(self) -> dict[str, float]:
-        return self.scheduler.snapshot(time.monotonic(), self.unit).to_stats()
+        return self.loop.load(time.monotonic()).to_stats()
+
+    async def load_stats(self) -> UnitLoad:
+        """This unit's published snapshot: what the ingress's front-end admission polls (cheap)."""
+        return self.loop.load(time.monotonic())
 
     async def unit_state(self, check: bool = False) -> dict[str, Any]:
         """Operator view of the unit (and, with `check`, the scheduler's integrity check):
@@ -145,6 +159,23 @@ class ServingUnit:
                 "regime_name": s.current_regime.value, "policy": s.config.policy,
                 "finished": dict(s.stats.finished), "rejected": dict(s.stats.rejected),
                 "preempted": dict(s.stats.preempted), "num_steps": s.stats.num_steps}
+
+    async def memory_growth(self, baseline: bool = False, top: int = 12) -> list[str]:
+        """Where this process's Python memory grew since the baseline (`baseline=True` takes it),
+        biggest first, with tracebacks; [] unless the process runs with TIDAL_TRACEMALLOC=<frames>."""
+        import gc
+        import tracemalloc
+
+        if not tracemalloc.is_tracing():
+            return []
+        gc.collect()
+        snap = tracemalloc.take_snapshot()
+        if baseline or self._memory_baseline is None:
+            self._memory_baseline = snap
+            return []
+        stats = snap.compare_to(self._memory_baseline, "traceback")
+        return [f"{s.size_diff / 2**10:+.1f} KiB in {s.count_diff:+d} blocks\n" + "\n".join(s.traceback.format())
+                for s in stats[:top]]
 
     def record_routing_stats(self) -> dict[str, float]:
         return self._stats()

@@ -11,6 +11,11 @@ parameters found late: 400) and then the stream ends. Otherwise chunks carry tok
 or more per chunk, in order) and the last chunk carries `finish_reason`. Cancelling the
 stream (client disconnect, or a stop string matched at the ingress) aborts the request in the
 router and frees its KV blocks.
+
+With `report_load`, the unit's verdict carries its snapshot (`GenerateChunk.load`, the one the
+ingress's front-end admission reads): a rejection carries it on its error chunk; an admitted
+request first gets a chunk with only the snapshot (no tokens, no finish reason), sent at once,
+before the first token. Such a chunk is for the ingress's client and never reaches a renderer.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tidal_core.request import SamplingParams
+from tidal_core.snapshot import UnitLoad
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,7 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_s: float  # wall clock (time.time()) when the ingress received the HTTP request
+    report_load: bool = False  # the unit attaches its `UnitLoad` to its verdict (see GenerateChunk.load)
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,7 @@ class GenerateChunk:
     logprobs: list[list[tuple[int, float]]] | None = None  # one entry per token id, if asked
     num_prompt_tokens: int = 0
     error: EngineError | None = None
+    load: UnitLoad | None = None  # with `report_load`: the unit's snapshot right after its admission verdict
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,11 @@ _REGIME_BY_LEVEL = {level: regime for regime, level in REGIME_LEVEL.items()}
 class UnitLoad:
     """A unit's state at one instant. `queue_delay_s` is the predicted queueing delay a new
     request would see (the admission's and the router's score); `load` is utilisation (see
-    core/load.py) against `capacity_rps`, the measured service capacity."""
+    core/load.py) against `capacity_rps`, the measured service capacity. `prefill_s_per_token` is
+    what one more prompt token would add to a new request's predicted TTFT (0: not published),
+    so a front end can add a request's own prefill to `queue_delay_s`, and `num_arrived` counts the
+    requests it has received, so a front end can tell how many it sent are still on the way
+    (tidal_core/front_admission.py)."""
 
     unit_id: str
     num_running: int
@@ -34,6 +38,8 @@ class UnitLoad:
     capacity_rps: float = 0.0
     regime: Regime = Regime.LIGHT
     healthy: bool = True
+    prefill_s_per_token: float = 0.0
+    num_arrived: int = 0  # requests the unit has received since it started (admitted or not)
 
     def to_stats(self) -> dict[str, float]:
         """The wire form: floats only (Serve's stats contract); the unit id is the replica's."""
@@ -45,6 +51,8 @@ class UnitLoad:
             "load": self.load,
             "capacity_rps": self.capacity_rps,
             "regime": float(REGIME_LEVEL[self.regime]),
+            "prefill_s_per_token": self.prefill_s_per_token,
+            "num_arrived": float(self.num_arrived),
         }
 
     @classmethod
@@ -53,7 +61,9 @@ class UnitLoad:
         s = stats or {}
         return cls(unit_id, int(s.get("num_running", 0)), int(s.get("num_waiting", 0)),
                    float(s.get("queue_delay_s", 0.0)), float(s.get("kv_usage", 0.0)), float(s.get("load", 0.0)),
-                   float(s.get("capacity_rps", 0.0)), _REGIME_BY_LEVEL.get(int(s.get("regime", 0)), Regime.LIGHT))
+                   float(s.get("capacity_rps", 0.0)), _REGIME_BY_LEVEL.get(int(s.get("regime", 0)), Regime.LIGHT),
+                   prefill_s_per_token=float(s.get("prefill_s_per_token", 0.0)),
+                   num_arrived=int(s.get("num_arrived", 0)))
 
 
 STAT_KEYS: tuple[str, ...] = tuple(UnitLoad("", 0, 0, 0.0, 0.0).to_stats())

@@ -184,6 +184,8 @@ def serve_cluster(applications: list[dict[str, Any]], *, num_cpus: int = 8,
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Front-end admission in Serve's proxy (serve_app/proxy_gate.py): read by the proxy at its start.
+    os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "serve_app.proxy_gate:middlewares")
     import ray
     from ray import serve
     from ray.serve._private.api import serve_start

@@ -1,0 +1,250 @@
+"""Front-end admission in the ingress: refuse at the door, before any queue holds a request.
+
+Owns: `FrontGate` (the units' latest snapshots as this ingress replica sees them, kept fresh by a
+poll and by every verdict a unit sends back; the verdict of `tidal_core.FrontAdmission` on each
+new request; the spread of every 429's retry-after: `tidal_core.RetrySpread`) and
+`FrontGateMiddleware` (the pure ASGI middleware that asks the gate before FastAPI reads, parses
+or validates a body: a refused request costs no JSON parsing, no tokenizing and no hop to a unit).
+
+Freshness. In a burst, hundreds of requests arrive before the first verdict on any of them comes
+back; so each request let through is *pending* until its unit's verdict (or its end), and the
+prefill of the pending ones is counted on top of the snapshots (`FrontAdmission.check`'s
+`pending_s`, found through a context variable: the verdict arrives in the request's own task).
+Two sources feed the snapshots: (1) every request the gate lets through asks its unit
+to attach its `UnitLoad` to the admission verdict (`GenerateRequest.report_load`): a rejection
+carries it, an admission sends it at once in a chunk of its own; so while traffic flows, the gate
+knows each unit's state as of the last verdict, milliseconds old; (2) a background task polls
+`ServingUnit.load_stats` every `period_s` (0.1 s), so a gate that refuses everything still sees the
+unit drain and opens again. A snapshot older than `max_age_s` (5 s) is not believed: with no fresh
+snapshot the request goes to the unit, whose own admission is the final authority.
+
+The request's prompt is estimated from the body's size (`Content-Length` / `BYTES_PER_TOKEN`, a
+deliberately low estimate: English text averages about 4-5 characters per token, and the JSON
+around it adds bytes), so the gate does not refuse a request its unit would have admitted for its
+own prefill's sake.
+
+Must not import: torch, transformers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import contextvars
+import dataclasses
+import itertools
+import logging
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from serve_app.openai.errors import OpenAIError
+from serve_app.openai.http_limits import JSON_ENDPOINTS, error_response
+from tidal_core import AdmissionConfig, UnitLoad
+from tidal_core.front_admission import FrontAdmission, FrontRefusal, Sighting
+from tidal_core.retry_spread import RetrySpread
+
+logger = logging.getLogger(__name__)
+BYTES_PER_TOKEN = 6
+POLL_PERIOD_S = 0.1
+POLL_TIMEOUT_S = 1.0
+_FORGET_AFTER_S = 60.0  # a unit not heard from for this long (a replaced replica) is dropped
+PENDING_FOR_S = 5.0  # a request let through counts as pending at most this long
+
+
+@dataclasses.dataclass(eq=False)
+class _Ticket:
+    """A request let through, not yet seen by its unit: its estimated prefill and when it left."""
+
+    prefill_s: float
+    sent_s: float
+
+
+_TICKET: contextvars.ContextVar[_Ticket | None] = contextvars.ContextVar("tidal_front_ticket", default=None)
+
+
+class FrontGate:
+    def __init__(self, admission: AdmissionConfig, poll: Callable[[], Awaitable[UnitLoad]] | None = None, *,
+                 period_s: float = POLL_PERIOD_S, closed: Callable[[], OpenAIError | None] | None = None,
+                 pending_for_s: float = PENDING_FOR_S, count_arrivals: bool = False,
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
+        self.admission = FrontAdmission(admission)
+        self.spread = RetrySpread(admission.max_retry_after_s)
+        self.sightings: dict[str, Sighting] = {}
+        self.refused: dict[str, int] = {}
+        self._poll = poll
+        self._closed = closed  # e.g. a failed unit being rebuilt: 503 at the door
+        self.period_s = period_s
+        self.clock = clock
+        self._rng = rng or random.Random()
+        self._task: asyncio.Task[None] | None = None
+        self._pending: set[_Ticket] = set()
+        self.pending_for_s = pending_for_s
+        # With `count_arrivals` (a gate that never sees the verdicts: the proxy's), the requests on
+        # the way are those let through, less those the units say they received since first seen,
+        # less those answered without reaching a unit, and never more than those still open.
+        self.count_arrivals = count_arrivals
+        self._sent: collections.deque[float] = collections.deque(maxlen=4096)  # prefill estimates, in order
+        self._num_sent = 0
+        self._num_skipped = 0  # answered without reaching a unit (the ingress refused them, a 400...)
+        self._arrived: dict[str, tuple[int, int]] = {}  # unit -> (num_arrived when first seen, latest)
+
+    # ---- snapshots ------------------------------------------------------------------------
+    def observe(self, load: UnitLoad) -> None:
+        """A unit's snapshot, just received (from its verdict on a request, or from the poll); in
+        a request's context, that request is no longer pending: the snapshot holds it."""
+        self.release()
+        now = self.clock()
+        self.sightings[load.unit_id] = Sighting(load, now)
+        first, _ = self._arrived.get(load.unit_id, (load.num_arrived - self._num_sent + self._num_skipped, 0))
+        self._arrived[load.unit_id] = (first, load.num_arrived)
+        if len(self.sightings) > 1:
+            for uid in [u for u, s in self.sightings.items() if now - s.seen_s > _FORGET_AFTER_S]:
+                del self.sightings[uid]
+
+    def start(self) -> None:
+        """Start the poll (idempotent); called from inside the replica's event loop."""
+        if self._poll is not None and self._task is None:
+            # A fresh context: the poll must not be a child of the request that started it.
+            self._task = asyncio.get_running_loop().create_task(self._run_poll(), context=contextvars.Context())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run_poll(self) -> None:
+        assert self._poll is not None
+        while True:
+            try:
+                self.observe(await asyncio.wait_for(self._poll(), POLL_TIMEOUT_S))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # no unit yet, a unit being rebuilt, a timeout: keep the last view
+                logger.debug("front gate: polling a unit's load failed", exc_info=True)
+            await asyncio.sleep(self.period_s)
+
+    # ---- verdicts -------------------------------------------------------------------------
+    def refusal(self, body_bytes: int, waited_s: float = 0.0) -> OpenAIError | None:
+        """The error to answer a new request of `body_bytes` with, or None to let it through.
+        A request let through is *pending* (its prefill counted on top of the snapshots) until
+        its unit's verdict arrives in its context (`observe`) or the request ends (`release`)."""
+        if self._closed is not None and (closed := self._closed()) is not None:
+            return closed
+        now = self.clock()
+        tokens = body_bytes // BYTES_PER_TOKEN
+        verdict = self.admission.check(self.sightings.values(), now, tokens, waited_s, self._pending_s(now))
+        if verdict is not None:
+            self.refused[verdict.reason] = self.refused.get(verdict.reason, 0) + 1
+            return _rate_limited(verdict)
+        per_token = max((s.load.prefill_s_per_token for s in self.sightings.values()), default=0.0)
+        if self.count_arrivals:
+            self._sent.append(tokens * per_token)
+            self._num_sent += 1
+        ticket = _Ticket(tokens * per_token, now)
+        self._pending.add(ticket)
+        _TICKET.set(ticket)
+        return None
+
+    def release(self) -> None:
+        """The current request's unit has answered (or the request is over): no longer pending."""
+        ticket = _TICKET.get()
+        if ticket is not None:
+            self._pending.discard(ticket)
+            _TICKET.set(None)
+
+    def answered(self, reached_a_unit: bool) -> None:
+        """With `count_arrivals`: the current request's response starts; it ends its pending time
+        (`release`), and one that never reached a unit will never show in its arrival counter."""
+        if _TICKET.get() is not None and not reached_a_unit:
+            self._num_skipped += 1
+        self.release()
+
+    def in_flight(self) -> int:
+        """With `count_arrivals`: requests let through that no unit has reported receiving yet (other
+        front ends' requests count as received ones, so this errs low), at most those still open."""
+        received = sum(latest - first for first, latest in self._arrived.values())
+        return max(0, min(len(self._pending), len(self._sent), self._num_sent - self._num_skipped - received))
+
+    def _pending_s(self, now: float) -> float:
+        if self.count_arrivals:
+            n = self.in_flight()
+            return sum(itertools.islice(reversed(self._sent), n)) if n else 0.0
+        if not self._pending:
+            return 0.0
+        for old in [t for t in self._pending if now - t.sent_s > self.pending_for_s]:
+            self._pending.discard(old)  # a verdict lost on the way: a snapshot holds it by now
+        return sum(t.prefill_s for t in self._pending)
+
+    def retry_after_s(self, base_s: float | None) -> float:
+        """The spread retry-after of a 429 whose own estimate is `base_s` (the gate's or a unit's)."""
+        now = self.clock()
+        capacity = sum(s.load.capacity_rps for s in self.sightings.values()
+                       if now - s.seen_s <= self.admission.max_age_s)
+        base = self.admission.config.min_retry_after_s if base_s is None or not math.isfinite(base_s) else base_s
+        return self.spread.delay_s(now, base, capacity, self._rng.random())
+
+    def retry_headers(self, base_s: float | None) -> dict[str, str]:
+        """`Retry-After` in whole seconds (HTTP's form, rounded up) and `retry-after-ms` (read first by
+        the OpenAI clients), both from the one spread delay."""
+        delay = self.retry_after_s(base_s)
+        return {"Retry-After": str(max(1, math.ceil(delay))), "retry-after-ms": str(max(1, round(delay * 1000)))}
+
+
+def _rate_limited(verdict: FrontRefusal) -> OpenAIError:
+    return OpenAIError(429, verdict.message, "rate_limit_error", None, verdict.reason, verdict.retry_after_s)
+
+
+REFUSED_BY = "x-tidal-refused-by"  # on a 429 / 503: where it was decided (proxy, ingress, unit)
+
+
+def gate_headers(gate: FrontGate | None, err: OpenAIError, where: str) -> dict[str, str]:
+    """The headers of an error response: a 429's retry-after spread by the gate, if there is one,
+    and where the refusal was decided."""
+    headers = err.headers()
+    if gate is not None and err.status == 429:
+        headers.update(gate.retry_headers(err.retry_after_s))
+    if err.status in (429, 503):
+        headers[REFUSED_BY] = where
+    return headers
+
+
+class FrontGateMiddleware:
+    """Asks `app.state.front_gate` (if set) about every POST to a generation endpoint, before the body is read."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gate: Any = getattr(getattr(scope.get("app"), "state", None), "front_gate", None)
+        if scope["type"] != "http" or not isinstance(gate, FrontGate):
+            await self.app(scope, receive, send)
+            return
+        gate.start()
+        if scope["method"] == "POST" and _route_path(scope) in JSON_ENDPOINTS:
+            length = Headers(scope=scope).get("content-length", "")
+            err = gate.refusal(int(length) if length.isdigit() else 0)
+            if err is not None:
+                response = error_response(err)
+                response.headers.update(gate_headers(gate, err, "ingress"))
+                await response(scope, receive, send)
+                return
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                gate.release()
+            return
+        await self.app(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    path, root = str(scope.get("path", "")), str(scope.get("root_path", ""))
+    return path[len(root):] if root and path.startswith(root) else path

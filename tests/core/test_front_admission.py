@@ -1,0 +1,165 @@
+"""Front-end admission (tidal_core/front_admission.py) and retry spreading (tidal_core/retry_spread.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from tidal_core import (
+    AdmissionConfig,
+    Regime,
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    ServicePrior,
+    UnitLoad,
+    preset,
+)
+from tidal_core.front_admission import FrontAdmission, Sighting, published_load
+from tidal_core.retry_spread import RetrySpread
+
+CFG = AdmissionConfig(target_ttft_s=1.0, burst_factor=2.0, max_queue_len=100)
+
+
+def _load(unit: str = "u", waiting: int = 5, delay: float = 3.0, regime: Regime = Regime.LIGHT,
+          kv: float = 0.1, capacity: float = 2.0) -> UnitLoad:
+    return UnitLoad(unit, num_running=8, num_waiting=waiting, queue_delay_s=delay, kv_usage=kv,
+                    capacity_rps=capacity, regime=regime)
+
+
+def test_a_backlog_past_the_regimes_limit_is_refused_with_the_units_retry_estimate() -> None:
+    front = FrontAdmission(CFG)
+    refusal = front.check([Sighting(_load(delay=3.0), seen_s=10.0)], now=10.0)
+    assert refusal is not None and refusal.reason == "prefill_backlog" and refusal.unit_id == "u"
+    assert refusal.retry_after_s == pytest.approx(2.0)  # predicted 3 s - the 1 s target
+    assert "retry after 2.0s" in refusal.message
+    # In LIGHT/STEADY a burst may queue up to burst_factor x the target; in OVERLOAD only the target.
+    assert front.check([Sighting(_load(delay=1.5), 10.0)], 10.0) is None
+    assert front.check([Sighting(_load(delay=1.5, regime=Regime.OVERLOAD), 10.0)], 10.0) is not None
+
+
+def test_the_snapshot_ages_the_unit_drains_and_a_stale_one_is_not_believed() -> None:
+    front = FrontAdmission(CFG, max_age_s=1.0)
+    seen = Sighting(_load(delay=2.5), seen_s=10.0)
+    assert front.check([seen], now=10.2) is not None  # 2.3 s still ahead
+    assert front.check([seen], now=10.8) is None  # 1.7 s ahead: within 2 x 1 s, the unit decides
+    assert front.check([Sighting(_load(delay=30.0), seen_s=10.0)], now=11.5) is None  # stale
+    assert front.check([Sighting(_load(delay=30.0), seen_s=10.0)], now=9.0) is None  # from the future
+    assert front.check([], now=10.0) is None  # nothing heard: the unit decides
+
+
+def test_time_already_waited_and_the_own_prompt_count_and_an_idle_unit_is_never_refused() -> None:
+    front = FrontAdmission(CFG)
+    assert front.check([Sighting(_load(delay=1.5), 10.0)], 10.0, waited_s=0.7) is not None
+    priced = dataclasses.replace(_load(delay=1.5), prefill_s_per_token=0.001)
+    assert front.check([Sighting(priced, 10.0)], 10.0, prompt_tokens=400) is None  # 1.9 s
+    assert front.check([Sighting(priced, 10.0)], 10.0, prompt_tokens=600) is not None  # 2.1 s
+    # Nothing ahead (the unit would start it at once), however full the KV cache and long the wait.
+    assert front.check([Sighting(_load(waiting=0, delay=0.0, kv=1.0), 10.0)], 10.0, 5000, waited_s=5.0) is None
+
+
+def test_queue_full_and_kv_pressure_follow_the_units_rules() -> None:
+    front = FrontAdmission(CFG)
+    full = front.check([Sighting(_load(waiting=100, delay=0.1, capacity=10.0), 0.0)], 0.0)
+    assert full is not None and full.reason == "queue_full" and full.retry_after_s == pytest.approx(10.0)
+    kv = front.check([Sighting(_load(delay=0.1, kv=0.99), 0.0)], 0.0)
+    assert kv is not None and kv.reason == "kv_pressure" and kv.retry_after_s == CFG.min_retry_after_s
+    assert FrontAdmission(AdmissionConfig(enabled=False)).check([Sighting(_load(delay=99.0), 0.0)], 0.0) is None
+
+
+def test_with_several_units_a_request_is_refused_only_if_every_fresh_one_refuses() -> None:
+    front = FrontAdmission(CFG)
+    busy_a, busy_b = Sighting(_load("a", delay=5.0), 0.0), Sighting(_load("b", delay=3.0), 0.0)
+    refusal = front.check([busy_a, busy_b], 0.0)
+    assert refusal is not None and refusal.unit_id == "b"  # the one that frees up first
+    assert front.check([busy_a, busy_b, Sighting(_load("c", waiting=0, delay=0.0), 0.0)], 0.0) is None
+    stale_c = Sighting(_load("c", waiting=0, delay=0.0), -10.0)
+    assert front.check([busy_a, stale_c], 0.0) is not None  # c's view is stale
+
+
+def test_retry_after_is_clamped_like_the_units() -> None:
+    cfg = AdmissionConfig(target_ttft_s=1.0, min_retry_after_s=1.0, max_retry_after_s=5.0)
+    front = FrontAdmission(cfg)
+    overload = _load(delay=1.5, regime=Regime.OVERLOAD)
+    assert front.check([Sighting(overload, 0.0)], 0.0).retry_after_s == 1.0  # type: ignore[union-attr]
+    assert front.check([Sighting(_load(delay=60.0), 0.0)], 0.0).retry_after_s == 5.0  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="max_age_s=0"):
+        FrontAdmission(cfg, max_age_s=0)
+
+
+def _unit() -> Scheduler:
+    cfg = preset("adaptive", SchedulerConfig(max_batch_size=64, max_num_batched_tokens=512, num_kv_blocks=4096,
+                                             block_size=16, max_model_len=4096,
+                                             service_prior=ServicePrior(0.05, 0.001, 0.001)),
+                 admission=AdmissionConfig(target_ttft_s=1.0, max_queue_len=1000))
+    return Scheduler(cfg)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_what_the_front_end_refuses_the_unit_refuses_too(seed: int) -> None:
+    """With a prompt estimate no larger than the prompt, the front end's rules are lower bounds
+    of the unit's: on a real scheduler's published snapshot, a front-end refusal is never a
+    request the unit would have admitted (the converse is the unit's job: it stays the final
+    authority). With the exact prompt length the two agree on nearly every request."""
+    rng = random.Random(seed)
+    unit = _unit()
+    front = FrontAdmission(unit.config.admission)
+    refused_front = agreed = refused_unit = 0
+    for i in range(300):
+        now = i * 0.002
+        seen = Sighting(published_load(unit, now, "u"), now)
+        prompt = rng.randint(60, 600)
+        low, exact = front.check([seen], now, prompt // 2), front.check([seen], now, prompt)
+        rejection = unit.add_request(Request(f"r{i}", prompt, SamplingParams(), now), now)
+        refused_unit += rejection is not None
+        if low is not None:
+            refused_front += 1
+            assert rejection is not None and rejection.reason == low.reason
+        agreed += (exact is None) == (rejection is None)
+    assert refused_front > 100, "the burst never filled the unit"
+    assert agreed >= 0.95 * 300, (agreed, refused_unit)
+
+
+def test_the_published_snapshot_prices_a_prompt_as_the_unit_does() -> None:
+    unit = _unit()
+    for i in range(5):
+        assert unit.add_request(Request(f"r{i}", 300, SamplingParams(), 0.0), 0.0) is None
+    load = published_load(unit, 0.0, "u")
+    assert load.prefill_s_per_token > 0 and load.unit_id == "u"
+    assert load.queue_delay_s == unit.snapshot(0.0).queue_delay_s
+    assert UnitLoad.from_stats("u", load.to_stats()) == load  # travels in the wire form
+
+
+def test_retries_are_given_slots_at_the_units_rate_after_its_own_estimate() -> None:
+    spread = RetrySpread(max_s=60.0)
+    delays = [spread.delay_s(now=100.0, base_s=1.0, capacity_rps=4.0, u=0.0) for _ in range(5)]
+    assert delays == pytest.approx([1.0, 1.25, 1.5, 1.75, 2.0])
+    assert spread.delay_s(100.0, 1.0, 4.0, u=0.5) == pytest.approx(2.25 + 0.125)  # jitter inside its slot
+    # Later refusals queue behind the promised slots; a longer estimate starts later.
+    assert spread.delay_s(101.0, 1.0, 4.0, u=0.0) == pytest.approx(1.5)
+    assert spread.delay_s(101.0, 10.0, 4.0, u=0.0) == pytest.approx(10.0)
+
+
+def test_past_the_horizon_retries_spread_uniformly_and_the_schedule_stops() -> None:
+    spread = RetrySpread(max_s=5.0)
+    delays = [spread.delay_s(0.0, 1.0, 1.0, u=0.0) for _ in range(5)]
+    assert delays == pytest.approx([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert spread.delay_s(0.0, 1.0, 1.0, u=0.5) == pytest.approx(3.0)  # uniform over [1, 5]
+    assert spread.next_slot_s == pytest.approx(6.0)  # not advanced by refusals past the horizon
+    rng = random.Random(0)
+    burst = [spread.delay_s(0.0, 1.0, 1.0, rng.random()) for _ in range(1000)]
+    assert all(1.0 <= d <= 5.0 for d in burst)
+    assert max(sum(1 for d in burst if lo <= d < lo + 1) for lo in range(1, 5)) < 300  # no wave of all 1000
+
+
+def test_without_a_rate_the_units_estimate_is_used_and_bad_draws_are_refused() -> None:
+    spread = RetrySpread(max_s=60.0)
+    assert spread.delay_s(0.0, 2.0, 0.0, u=0.9) == 2.0
+    assert spread.delay_s(0.0, 99.0, 0.0, u=0.9) == 60.0
+    with pytest.raises(ValueError, match=r"u=1\.0"):
+        spread.delay_s(0.0, 1.0, 1.0, u=1.0)
+    with pytest.raises(ValueError, match="max_s=0"):
+        RetrySpread(max_s=0.0)

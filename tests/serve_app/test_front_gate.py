@@ -1,0 +1,276 @@
+"""The front gate (serve_app/front_gate.py) in the FastAPI app without Ray: refusals at the door,
+before the body is read or the engine called; the spread retry-after; the snapshots' two feeds
+(the unit's verdicts and the poll); and the unit's side of the feed (serve_app/engine_loop.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from serve_app.engine_loop import EngineLoop
+from serve_app.front_gate import FrontGate
+from serve_app.ingress import HandleEngineClient, build_app
+from serve_app.openai.errors import OpenAIError
+from serve_app.openai.server import OpenAIServer
+from serve_app.unit_api import GenerateChunk, GenerateRequest
+from tests.serve_app.openai_fakes import FakeEngine, smollm2_tokenizer
+from tests.serve_app.test_engine_loop import CFG, AsyncFake, collect
+from tests.serve_app.test_ingress_errors import INFO, FakeHandle, FakeResponse
+from tidal_core import AdmissionConfig, Regime, SamplingParams, Scheduler, UnitLoad, preset
+
+pytestmark = pytest.mark.anyio
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+BUSY = UnitLoad("u1", num_running=40, num_waiting=30, queue_delay_s=6.0, kv_usage=0.2, capacity_rps=4.0,
+                regime=Regime.OVERLOAD, prefill_s_per_token=1e-4)
+IDLE = UnitLoad("u1", 0, 0, 0.0, 0.0, capacity_rps=4.0)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return smollm2_tokenizer()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gated_app(tok: Any, **gate_kw: Any) -> tuple[Any, FakeEngine, FrontGate, Clock]:
+    engine = FakeEngine(tok)
+    clock = Clock()
+    gate = FrontGate(AdmissionConfig(target_ttft_s=1.0), clock=clock, rng=random.Random(0), **gate_kw)
+    app = build_app(OpenAIServer(engine, tok))
+    app.state.front_gate = gate
+    return app, engine, gate, clock
+
+
+def client(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ingress")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_busy_units_snapshot_refuses_at_the_door_without_calling_the_engine(tok: Any, path: str) -> None:
+    app, engine, gate, _ = gated_app(tok)
+    gate.observe(BUSY)
+    body = CHAT if path.endswith("chat/completions") else {"prompt": "Hi", "max_tokens": 4}
+    async with client(app) as c:
+        resp = await c.post(path, json=body)
+    assert resp.status_code == 429, resp.text
+    err = resp.json()["error"]
+    assert (err["type"], err["code"]) == ("rate_limit_error", "prefill_backlog")
+    ms = int(resp.headers["retry-after-ms"])
+    assert int(resp.headers["retry-after"]) == -(-ms // 1000) and ms >= 5000  # 6 s ahead - 1 s target
+    assert engine.requests == [] and gate.refused == {"prefill_backlog": 1}
+
+
+async def test_a_refusal_does_not_read_the_body(tok: Any) -> None:
+    app, _, gate, _ = gated_app(tok)
+    gate.observe(BUSY)
+    read = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal read
+        read = True
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"2")],
+             "client": ("127.0.0.1", 1), "server": ("ingress", 80)}
+    await app(scope, receive, send)
+    assert sent[0]["status"] == 429 and not read
+
+
+async def test_idle_stale_or_absent_snapshots_let_requests_through(tok: Any) -> None:
+    app, engine, gate, clock = gated_app(tok)
+    async with client(app) as c:
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200  # nothing heard yet
+        gate.observe(IDLE)
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        gate.observe(dataclasses.replace(BUSY, queue_delay_s=30.0))
+        clock.now += 5.5  # the busy snapshot is stale: the unit decides
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        assert (await c.get("/health")).status_code == 200  # never gated
+    assert len(engine.requests) == 3
+
+
+async def test_a_big_prompt_is_refused_where_a_small_one_passes(tok: Any) -> None:
+    app, engine, gate, _ = gated_app(tok)
+    gate.observe(dataclasses.replace(BUSY, queue_delay_s=0.9, prefill_s_per_token=0.001))
+    async with client(app) as c:
+        small = await c.post("/v1/chat/completions", json=CHAT)
+        big = await c.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "w " * 900}]})
+    assert small.status_code == 200 and big.status_code == 429  # 1800 bytes ~ 300 tokens ~ 0.3 s more
+    assert len(engine.requests) == 1
+
+
+async def test_a_units_own_429_leaves_with_a_spread_retry_after(tok: Any) -> None:
+    from serve_app.unit_api import EngineError
+
+    app, engine, gate, _ = gated_app(tok)
+    engine.first_error = EngineError(429, "rate_limit_error", "prefill_backlog", "busy", 1.0)
+    gate.observe(IDLE)  # the gate lets them through; the unit refuses (final authority)
+    async with client(app) as c:
+        delays = [int((await c.post("/v1/chat/completions", json=CHAT)).headers["retry-after-ms"]) for _ in range(8)]
+    # 4 req/s of capacity: refusal k gets the k-th 250 ms slot from the unit's 1 s on (the clock
+    # stands still here), jittered inside it.
+    assert all(1000 + 250 * k <= d <= 1250 + 250 * k for k, d in enumerate(delays)), delays
+
+
+async def test_a_closed_gate_answers_503_with_retry_after(tok: Any) -> None:
+    app, engine, _, _ = gated_app(tok, closed=lambda: OpenAIError(503, "rebuilding", "server_error", None,
+                                                                   "engine_recovering", 5.0))
+    async with client(app) as c:
+        resp = await c.post("/v1/chat/completions", json=CHAT)
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "5" and engine.requests == []
+
+
+async def test_the_poll_keeps_the_view_fresh_and_a_failing_poll_keeps_the_last() -> None:
+    answers: list[UnitLoad | Exception] = [BUSY, RuntimeError("no replica"), IDLE]
+
+    async def poll() -> UnitLoad:
+        answer = answers.pop(0) if answers else IDLE
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    gate = FrontGate(AdmissionConfig(), poll, period_s=0.001)
+    gate.start()
+    gate.start()  # idempotent
+    for _ in range(500):
+        if not answers:
+            break
+        await asyncio.sleep(0.002)
+    await asyncio.sleep(0.01)
+    await gate.stop()
+    assert not answers and gate.sightings["u1"].load == IDLE and gate.refusal(100) is None
+
+
+async def test_handle_client_feeds_the_gate_and_hides_the_admission_chunk() -> None:
+    seen: list[UnitLoad] = []
+    response = FakeResponse([GenerateChunk(load=IDLE), GenerateChunk([5]), GenerateChunk([6], "stop", load=None)])
+    handle = FakeHandle(response)
+    sent: list[GenerateRequest] = []
+    original = handle.remote
+
+    def remote(*args: Any) -> Any:
+        sent.extend(args)
+        return original(*args)
+
+    handle.remote = remote  # type: ignore[method-assign]
+    engine = HandleEngineClient(handle, INFO, on_load=seen.append)  # type: ignore[arg-type]
+    chunks = [c async for c in engine.generate(GenerateRequest("r", [1], SamplingParams(max_tokens=2), 0.0))]
+    assert [c.token_ids for c in chunks] == [[5], [6]] and seen == [IDLE]
+    assert sent[0].report_load
+
+
+def test_the_unit_reports_its_load_with_its_verdicts() -> None:
+    async def main() -> None:
+        cfg = preset("adaptive", CFG, admission=AdmissionConfig(max_queue_len=1))
+        loop = EngineLoop(Scheduler(cfg), AsyncFake(step_s=0.01), unit_id="u9")
+        reqs = [GenerateRequest(r, [1] * 8, SamplingParams(max_tokens=3), time.time(), report_load=True)
+                for r in "abc"]
+        results = await asyncio.gather(*(collect(loop, r) for r in reqs))
+        for chunks in results:
+            assert chunks[0].load is not None and chunks[0].load.unit_id == "u9"
+            if chunks[0].error is None:  # admitted: the verdict alone first, then the tokens
+                assert chunks[0].token_ids == [] and chunks[0].finish_reason is None
+                assert [t for c in chunks for t in c.token_ids] == [42] * 3
+            else:
+                assert chunks[0].error.status == 429 and chunks[0].load.num_waiting >= 1
+        assert any(chunks[0].error is not None for chunks in results)
+        plain = [c async for c in loop.generate(GenerateRequest("d", [1] * 8, SamplingParams(max_tokens=2),
+                                                               time.time()))]
+        assert all(c.load is None for c in plain)  # not asked: the stream is as before
+        await loop.stop()
+
+    asyncio.run(main())
+
+
+def test_requests_let_through_count_until_their_verdict_so_a_burst_is_refused_before_any_returns() -> None:
+    clock = Clock()
+    gate = FrontGate(AdmissionConfig(target_ttft_s=1.0, burst_factor=2.0), clock=clock)
+    gate.observe(dataclasses.replace(IDLE, prefill_s_per_token=0.001))  # 1 ms per prompt token
+    body = 600  # bytes: ~100 tokens, ~0.1 s of prefill each
+    passed = 0
+    while gate.refusal(body) is None:
+        passed += 1
+        assert passed < 100
+    assert 19 <= passed <= 21  # ~2 s (burst_factor x the target) of prefill let through, then refused
+    clock.now += 0.5  # work still on its way to the unit does not drain: nothing more passes
+    assert gate.refusal(body) is not None
+
+    gate._pending.clear()  # as if their verdicts had come back: the unit's snapshot holds them now
+    gate.observe(dataclasses.replace(IDLE, prefill_s_per_token=0.001))
+    assert gate.refusal(body) is None and len(gate._pending) == 1
+
+    async def one_request() -> None:  # a request's own task: its unit's verdict releases it, not others
+        assert gate.refusal(body) is None and len(gate._pending) == 2
+        gate.observe(dataclasses.replace(IDLE, prefill_s_per_token=0.001))
+        assert len(gate._pending) == 1
+
+    asyncio.run(one_request())
+
+
+async def test_the_proxy_gate_refuses_by_route_and_releases_at_the_response_start() -> None:
+    from serve_app.proxy_gate import ProxyGateMiddleware, middlewares
+
+    forwarded: list[str] = []
+
+    async def downstream(scope: Any, receive: Any, send: Any) -> None:  # stands for Serve's routing
+        forwarded.append(scope["path"])
+        gated = scope["path"].startswith("/sim/v1/")
+        assert len(gate._pending) == gated  # let through: pending until its response starts
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        assert not gate._pending
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    proxy = ProxyGateMiddleware(downstream)
+    proxy._task = asyncio.get_running_loop().create_future()  # no controller to read apps from here
+    gate = FrontGate(AdmissionConfig(target_ttft_s=1.0), rng=random.Random(0))
+    proxy.gates["/sim"] = ("sim", gate)
+    c = httpx.AsyncClient(transport=httpx.ASGITransport(proxy), base_url="http://proxy")
+    async with c:
+        assert (await c.post("/sim/v1/chat/completions", json=CHAT)).status_code == 200
+        gate.observe(BUSY)
+        refused = await c.post("/sim/v1/chat/completions", json=CHAT)
+        other = await c.post("/other/v1/chat/completions", json=CHAT)  # not a tidalserve route: untouched
+        health = await c.get("/sim/health")
+    assert refused.status_code == 429 and refused.headers["retry-after-ms"] and other.status_code == 200
+    assert health.status_code == 200 and forwarded == ["/sim/v1/chat/completions", "/other/v1/chat/completions",
+                                                       "/sim/health"]
+    assert [m.cls for m in middlewares()] == [ProxyGateMiddleware]
+
+
+def test_requests_answered_without_reaching_a_unit_do_not_stay_on_the_way() -> None:
+    import contextvars
+
+    gate = FrontGate(AdmissionConfig(target_ttft_s=1.0), clock=Clock(), count_arrivals=True)
+    gate.observe(dataclasses.replace(IDLE, prefill_s_per_token=0.001, num_arrived=7))
+
+    def refused_by_the_ingress() -> None:  # one request's context, as in the proxy's middleware
+        assert gate.refusal(600) is None
+        gate.answered(reached_a_unit=False)
+
+    for _ in range(200):  # far more than 2 s of prefill, had they all stayed counted
+        contextvars.copy_context().run(refused_by_the_ingress)
+    assert gate.in_flight() == 0 and gate.refusal(600) is None

@@ -1,0 +1,136 @@
+"""Front-end admission: refuse at the front door, from the units' published snapshots.
+
+Owns: `FrontAdmission` (the verdict on one new request from the latest `UnitLoad` of each unit
+and how old each is), `Sighting` (a snapshot and when the front end received it) and
+`FrontRefusal`. The front end (the ingress) decides before any queue of its own, of Serve's or
+of a unit holds the request, and before tokenizing: every rule reads the units' state only, so a
+request refused here costs no tokenizer work and no hop to a unit.
+
+The rules are those of `AdmissionController.check` (tidal_core/admission.py) on a snapshot.
+Given estimates no larger than the truth (of the prompt, and of the work sent since the
+snapshot), each is a *lower bound* of what the unit itself would see, so the front end refuses
+only what the unit would refuse too; the unit's own check stays the final authority for every
+request let through:
+
+- `queue_full`: the unit's queue held `max_queue_len` requests;
+- `prefill_backlog`: work was ahead and the predicted queueing delay, less the time elapsed
+  since the snapshot (the unit drains while the snapshot ages), plus the prefill of the requests
+  the front end let through since (`pending_s`: in a burst, hundreds arrive before any verdict
+  comes back), plus the time this request already waited, plus its own prefill (its estimated prompt
+  tokens x the unit's published `prefill_s_per_token`), exceeds the regime's limit
+  (`target_ttft_s` in OVERLOAD, `burst_factor` x it otherwise);
+- `kv_pressure`: KV usage was at `kv_reject_usage` with requests waiting for room.
+
+A snapshot older than `max_age_s` (5 s) is not believed (no verdict); a younger one is aged: its
+queue drains in real time, so a busy snapshot refuses only while the queue it saw could not be
+gone. (A short horizon would open the gate exactly when the front end is too starved to poll.)
+With several units, a request is refused only when every unit with a fresh snapshot refuses
+it: the request router would pick the best one. The retry-after of a refusal is the unit's
+estimate (clamped as the unit clamps it); spreading retries over time is `RetrySpread`'s
+business (tidal_core/retry_spread.py).
+
+`published_load` is the snapshot a unit publishes for this: `Scheduler.snapshot` with
+`prefill_s_per_token` measured as the scheduler's own marginal TTFT prediction and `num_arrived`.
+
+Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tidal_core.config import AdmissionConfig
+from tidal_core.regime import Regime
+from tidal_core.scheduler import Scheduler
+from tidal_core.snapshot import UnitLoad
+
+DEFAULT_MAX_AGE_S = 5.0  # aged by the drain, a busy snapshot keeps refusing until its queue would be gone
+_PROBE_TOKENS = 1024
+
+
+def published_load(sched: Scheduler, now: float, unit_id: str = "") -> UnitLoad:
+    """`sched`'s snapshot with `prefill_s_per_token`: how much a prompt's tokens add to its
+    predicted TTFT now (the measured prefill speed, corrections included)."""
+    snap = sched.snapshot(now, unit_id)
+    with_prompt = sched.predicted_queue_delay_s(now, _PROBE_TOKENS)
+    return dataclasses.replace(snap, prefill_s_per_token=max(0.0, with_prompt - snap.queue_delay_s) / _PROBE_TOKENS,
+                               num_arrived=sched.stats.num_arrived)
+
+
+@dataclass(frozen=True, slots=True)
+class Sighting:
+    """A unit's snapshot as the front end holds it: `seen_s` is when it arrived (front end's clock)."""
+
+    load: UnitLoad
+    seen_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class FrontRefusal:
+    """Why the front end turned a request away; `reason` is the unit's metric label for the same rule."""
+
+    unit_id: str
+    reason: str
+    retry_after_s: float
+    message: str
+
+
+class FrontAdmission:
+    __slots__ = ("config", "max_age_s")
+
+    def __init__(self, config: AdmissionConfig, max_age_s: float = DEFAULT_MAX_AGE_S) -> None:
+        if not max_age_s > 0.0:
+            raise ValueError(f"front admission max_age_s={max_age_s} must be > 0 (seconds a snapshot is believed)")
+        self.config = config
+        self.max_age_s = max_age_s
+
+    def check(self, sightings: Iterable[Sighting], now: float, prompt_tokens: int = 0,
+              waited_s: float = 0.0, pending_s: float = 0.0) -> FrontRefusal | None:
+        """None (let the request through) unless every fresh snapshot says its unit would refuse
+        it; then the refusal with the shortest retry-after (the unit that frees up first).
+        `prompt_tokens` is the front end's estimate of the request's prompt (before tokenizing);
+        `pending_s` the prefill time of the requests it let through that no snapshot holds yet
+        (shared evenly by the fresh units: the request router spreads them)."""
+        fresh = [(s.load, now - s.seen_s) for s in sightings if 0.0 <= now - s.seen_s <= self.max_age_s]
+        refusals: list[FrontRefusal] = []
+        for load, age in fresh:  # a stale snapshot (or one from the future: a clock bug) is not believed
+            refusal = self.unit_verdict(load, age, prompt_tokens, waited_s, pending_s / len(fresh))
+            if refusal is None:
+                return None
+            refusals.append(refusal)
+        return min(refusals, key=lambda r: r.retry_after_s, default=None)
+
+    def unit_verdict(self, load: UnitLoad, age_s: float, prompt_tokens: int = 0,
+                     waited_s: float = 0.0, pending_s: float = 0.0) -> FrontRefusal | None:
+        """What the unit of `load` would answer a request of about `prompt_tokens` arriving
+        `age_s` after the snapshot, having already waited `waited_s`, with `pending_s` of prefill
+        sent its way since: a refusal, or None (it might admit: the unit decides)."""
+        cfg = self.config
+        if not cfg.enabled:
+            return None
+        if load.num_waiting >= cfg.max_queue_len:
+            retry = load.num_waiting / load.capacity_rps if load.capacity_rps > 0 else cfg.min_retry_after_s
+            return self._refuse(load, "queue_full", retry,
+                                f"{load.num_waiting} requests are already queued (limit {cfg.max_queue_len})")
+        # The snapshot's queue drained since (at most in real time), plus what was sent since, which
+        # does not drain before it arrives.
+        ahead_s = max(0.0, load.queue_delay_s - age_s) + max(0.0, pending_s)
+        # Work ahead (ahead_s > 0) is what makes the unit refuse at all: with none, it would start
+        # the request at once, however long its prompt.
+        ttft = waited_s + ahead_s + max(0, prompt_tokens) * load.prefill_s_per_token
+        limit = cfg.target_ttft_s if load.regime is Regime.OVERLOAD else cfg.burst_factor * cfg.target_ttft_s
+        if ahead_s > 0.0 and ttft > limit:
+            return self._refuse(load, "prefill_backlog", ttft - cfg.target_ttft_s,
+                                f"predicted time to first token {ttft:.2f}s exceeds the "
+                                f"{cfg.target_ttft_s:.2f}s target")
+        if load.kv_usage >= cfg.kv_reject_usage and load.num_waiting > 0:
+            return self._refuse(load, "kv_pressure", cfg.min_retry_after_s,
+                                f"KV cache is {load.kv_usage:.0%} full and {load.num_waiting} requests wait for room")
+        return None
+
+    def _refuse(self, load: UnitLoad, reason: str, retry_after_s: float, message: str) -> FrontRefusal:
+        cfg = self.config
+        retry = min(cfg.max_retry_after_s, max(cfg.min_retry_after_s, retry_after_s))
+        return FrontRefusal(load.unit_id, reason, retry, f"server overloaded: {message}; retry after {retry:.1f}s")
