@@ -35,6 +35,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from serve_app.auth import ApiKeyGate, ApiKeyMiddleware, gate_from_args
+from serve_app.key_usage import MeteredEngine
 from serve_app.openai.errors import OpenAIError, server_error, unavailable
 from serve_app.openai.http_limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, error_response
 from serve_app.openai.requests import ChatCompletionRequest, CompletionRequest
@@ -165,14 +167,20 @@ async def _on_unexpected(request: Request, exc: Exception) -> Response:
     return error_response(server_error("internal server error"))
 
 
-def build_app(server: OpenAIServer | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """A FastAPI app with every route and handler; `server` may be attached later via `app.state`."""
+def build_app(server: OpenAIServer | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              auth_gate: ApiKeyGate | None = None) -> FastAPI:
+    """A FastAPI app with every route and handler; `server` and `auth_gate` may be attached later via
+    `app.state`."""
     app = FastAPI(title="tidalserve", version="0.1.0",
                   description="OpenAI-compatible completions and chat completions (see docs/api.md).")
     app.state.openai_server = server
     app.state.max_body_bytes = max_body_bytes
     app.include_router(api)
     app.add_middleware(BodyLimitMiddleware)
+    # --- API keys (serve_app/auth.py): added last, so it runs first, before any other work ---
+    app.state.auth_gate = auth_gate
+    app.add_middleware(ApiKeyMiddleware)
+    # --- end API keys ---
     app.add_exception_handler(OpenAIError, _on_openai_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
@@ -313,8 +321,15 @@ class Ingress:
         path = await asyncio.to_thread(model_loader.prepare, name)
         tokenizer = await asyncio.to_thread(model_loader.load_tokenizer, path)
         info: ModelInfo = await router.model_info.remote()
-        self.server = OpenAIServer(HandleEngineClient(router, info), tokenizer, model_aliases=aliases,
-                                   request_timeout_s=timeout)
+        engine: Any = HandleEngineClient(router, info)
+        # --- API keys (serve_app/auth.py): None when no key is configured ---
+        from serve_app.config_loader import env_api_keys
+
+        self.auth_gate = gate_from_args(model if isinstance(model, Mapping) else None, env_api_keys())
+        if self.auth_gate is not None:
+            engine = MeteredEngine(engine, self.auth_gate.usage)
+        # --- end API keys ---
+        self.server = OpenAIServer(engine, tokenizer, model_aliases=aliases, request_timeout_s=timeout)
         logger.info("ingress ready: model %r (aliases %s), max_model_len %d", info.model_id, aliases,
                     info.max_model_len)
 
@@ -323,4 +338,5 @@ class Ingress:
         asgi = self.app  # type: ignore[attr-defined]
         asgi.state.openai_server = self.server
         asgi.state.max_body_bytes = self.max_body_bytes
+        asgi.state.auth_gate = self.auth_gate  # API keys (serve_app/auth.py)
         return asgi
