@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+# A child of Serve's logger, so the lines reach the replica's log file (Serve keeps INFO only there).
+logger = logging.getLogger(f"ray.serve.{__name__}")
 KEY_ID_HEX = 12
 MAX_KEY_BYTES = 512
 """Longer presented tokens are refused without being hashed (no configured key is that long)."""

@@ -32,7 +32,8 @@ from serve_app.openai.errors import OpenAIError
 from serve_app.openai.http_limits import error_response
 from tidal_core.rate_limit import KeyLimits, RateLimiter, Verdict
 
-logger = logging.getLogger(__name__)
+# A child of Serve's logger, so the lines reach the replica's log file (Serve keeps INFO only there).
+logger = logging.getLogger(f"ray.serve.{__name__}")
 
 INVALID_KEY = OpenAIError(401, "Invalid or missing API key. Send it as 'Authorization: Bearer <key>'.",
                           "invalid_request_error", None, "invalid_api_key")
