@@ -143,7 +143,8 @@ class ServingUnit:
                 "num_streams": len(self.loop.streams), "num_requests": len(s.requests),
                 "regime_name": s.current_regime.value, "policy": s.config.policy,
                 "finished": dict(s.stats.finished), "rejected": dict(s.stats.rejected),
-                "preempted": dict(s.stats.preempted), "num_steps": s.stats.num_steps}
+                "preempted": dict(s.stats.preempted), "num_steps": s.stats.num_steps,
+                "num_arrived": s.stats.num_arrived}
 
     def record_routing_stats(self) -> dict[str, float]:
         return self._stats()
