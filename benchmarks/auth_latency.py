@@ -25,6 +25,7 @@ import json
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -52,30 +53,43 @@ PATHS: dict[str, tuple[str, dict[str, str], int, str | None]] = {
     "401 no key": ("POST", {}, 401, "invalid_api_key"),
     "401 wrong key": ("POST", {"Authorization": "Bearer tk-not-a-key-000"}, 401, "invalid_api_key"),
     "429 rate limit (ingress)": ("POST", {"Authorization": f"Bearer {LIMITED}"}, 429, "rate_limit_exceeded"),
-    "429 overload (unit)": ("POST", {"Authorization": f"Bearer {KEY}"}, 429, "queue_full"),
+    "429 overload (unit)": ("POST", {"Authorization": f"Bearer {KEY}"}, 429, "admission"),
     "200 GET /health": ("GET", {}, 200, None),
 }
 
 
-async def one(client: httpx.AsyncClient, url: str, path: str) -> tuple[float, bool, bool]:
-    """(seconds, the expected answer?, passed the ingress's key and rate checks, i.e. may reach the unit)."""
-    method, headers, status, code = PATHS[path]
+ADMISSION_CODES = ("queue_full", "prefill_backlog", "kv_pressure", "router_queue_full")
+
+
+async def one(client: httpx.AsyncClient, url: str, path: str) -> tuple[float, str, bool]:
+    """(seconds, 'status code' answered, passed the ingress's key and rate checks, i.e. reached the unit)."""
+    method, headers = PATHS[path][:2]
     t0 = time.perf_counter()
-    if method == "GET":
-        r = await client.get(f"{url}/health", headers=headers)
-    else:
-        r = await client.post(f"{url}/v1/completions", json=BODY, headers=headers)
+    try:
+        if method == "GET":
+            r = await client.get(f"{url}/health", headers=headers)
+        else:
+            r = await client.post(f"{url}/v1/completions", json=BODY, headers=headers)
+    except httpx.HTTPError as exc:  # no answer: the key checks answer in ms, so a valid key got past them
+        return time.perf_counter() - t0, type(exc).__name__, "Bearer tk-bench-valid" in headers.get("Authorization", "")
     elapsed = time.perf_counter() - t0
     got = r.json()["error"]["code"] if r.status_code >= 400 else None
-    ok = r.status_code == status and (code is None or got == code)
     passed = method == "POST" and r.status_code != 401 and got != "rate_limit_exceeded"
-    return elapsed, ok, passed
+    return elapsed, f"{r.status_code} {got}", passed
+
+
+def expected(path: str, answer: str) -> bool:
+    _, _, status, code = PATHS[path]
+    got_status, _, got_code = answer.partition(" ")
+    if code == "admission":
+        return got_status == "429" and got_code in ADMISSION_CODES
+    return got_status == str(status) and (code is None or got_code == code)
 
 
 async def measure(url: str, n: int, concurrency: int) -> tuple[dict[str, Any], int]:
     """Figures per path, and how many requests passed the ingress's checks (all with a valid key)."""
     samples: dict[str, list[float]] = {p: [] for p in PATHS}
-    wrong: dict[str, int] = {p: 0 for p in PATHS}
+    answers: dict[str, Counter[str]] = {p: Counter() for p in PATHS}
     passed = 0
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=concurrency * 2)) as client:
         for p in PATHS:  # warm-up: connections, first-call paths (the limited key's one request passes)
@@ -83,26 +97,46 @@ async def measure(url: str, n: int, concurrency: int) -> tuple[dict[str, Any], i
         for _ in range(n):
             for p in PATHS:  # round-robin: every path sees the same moment of the machine
                 results = await asyncio.gather(*(one(client, url, p) for _ in range(concurrency)))
-                for elapsed, ok, through in results:
+                for elapsed, answer, through in results:
                     samples[p].append(elapsed)
-                    wrong[p] += not ok
+                    answers[p][answer] += 1
                     passed += through
-    return {p: {**spread_ms(v), "unexpected_answers": wrong[p]} for p, v in samples.items()}, passed
+    return {p: {**spread_ms(v), "answers": dict(answers[p]),
+                "unexpected_answers": sum(n for a, n in answers[p].items() if not expected(p, a))}
+            for p, v in samples.items()}, passed
 
 
 def fill(url: str) -> list[Any]:
-    """Two long requests: one running, one queued (max_batch_size 1, max_queue_len 1)."""
+    """Two long requests: one running, one queued (max_batch_size 1, max_queue_len 1). Returns once
+    both streams started (or after 120 s), so their retries are not counted as arrivals."""
     import threading
 
-    body = {**BODY, "max_tokens": 6000, "ignore_eos": True}
+    started = [threading.Event(), threading.Event()]
 
-    def run() -> None:
-        httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=900)
+    body = {**BODY, "max_tokens": 6000, "ignore_eos": True, "stream": True}
 
-    threads = [threading.Thread(target=run, daemon=True) for _ in range(2)]
-    for t in threads:
+    def run(i: int) -> None:  # streamed, so the connection carries bytes for the whole run; retried until admitted
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", json=body,
+                                  headers={"Authorization": f"Bearer {KEY}"}, timeout=900) as r:
+                    if r.status_code != 200:
+                        time.sleep(0.5)
+                        continue
+                    started[i].set()
+                    for _ in r.iter_bytes():
+                        pass
+                    return
+            except httpx.HTTPError as exc:
+                print(f"filler ended: {exc!r}", file=sys.stderr)
+                return
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(2)]
+    for t, event in zip(threads, started, strict=True):
         t.start()
-        time.sleep(1.0)
+        event.wait(120)
+    time.sleep(1.0)  # the first tokens are out: both requests are in the unit
     return threads
 
 
