@@ -13,7 +13,7 @@ exist; a valid key over its RPM or TPM gets 429 `rate_limit_exceeded` with its o
 overload 429s of admission control (`queue_full`, `prefill_backlog`, ...). Paths in
 `open_paths` (default `/health`) are served without a key.
 
-Must not import: torch, fastapi (Starlette's ASGI types only).
+Must not import: torch, fastapi (Starlette's ASGI types only); ray only inside `_gate`'s fallback.
 """
 
 from __future__ import annotations
@@ -113,6 +113,21 @@ def gate_from_args(args: Mapping[str, Any] | None, env_keys: list[str], *, metri
     return gate
 
 
+def _gate(scope: Scope) -> ApiKeyGate | None:
+    state = getattr(scope.get("app"), "state", None)
+    gate: ApiKeyGate | None = getattr(state, "auth_gate", None)
+    if gate is None and getattr(state, "openai_server", None) is None:
+        # The app's state was never filled in (as serve_app/ingress.py's `_server` allows for): ask the
+        # replica itself, so a configured key check cannot be skipped by accident (fail closed).
+        try:
+            from ray import serve
+
+            gate = getattr(serve.get_replica_context().servable_object, "auth_gate", None)
+        except Exception:  # not inside a Serve replica (tests, plain uvicorn)
+            gate = None
+    return gate
+
+
 class ApiKeyMiddleware:
     """Runs `app.state.auth_gate` (if set) on every HTTP request before anything else."""
 
@@ -120,8 +135,8 @@ class ApiKeyMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        gate: ApiKeyGate | None = getattr(getattr(scope.get("app"), "state", None), "auth_gate", None)
-        if scope["type"] != "http" or gate is None:
+        gate = _gate(scope) if scope["type"] == "http" else None
+        if gate is None:
             await self.app(scope, receive, send)
             return
         key, err, headers = gate.check(scope)
