@@ -185,9 +185,9 @@ def test_every_dashboard_expression_parses_and_has_data(loaded: str) -> None:
     for title, legend, expr in checked:
         _check(loaded, (title, legend), expr, EMPTY_PANEL_QUERIES)
     assert len(checked) > 40
-    # The `unit` variable lists both deployed units (local and sim; each exports from its first request).
+    # The `unit` variable lists every deployed unit (local, sim and keyed; each exports from its first request).
     _wait(lambda: len(httpx.get(f"{loaded}/api/v1/label/unit/values", params={"match[]": "ray_tidal_regime"},
-                                timeout=10).json()["data"]) == 2, 30, "both units in the unit variable")
+                                timeout=10).json()["data"]) == 3, 30, "all three units in the unit variable")
 
 
 def test_latency_quantiles_have_values(loaded: str) -> None:
