@@ -13,6 +13,7 @@ The Ray version and image tag come from pyproject.toml. Must not import ray.
 
 from __future__ import annotations
 
+import copy
 import tomllib
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -20,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from ops.exposure import api_keys_mount
 from ops.targets import REPO_ROOT, deployment, tidal_app
 
 NAME = "tidal"
@@ -132,19 +134,24 @@ def _template(component: str, container: dict[str, Any], volumes: list[dict[str,
     return {"metadata": {"labels": {**APP_LABEL, "app.kubernetes.io/component": component}}, "spec": spec}
 
 
-def _head(p: ClusterProfile, image: str, serve_port: int, model_path: str | None) -> dict[str, Any]:
+Keys = tuple[dict[str, Any], dict[str, Any]] | None  # the API-key Secret's (volume, mount), ops/exposure.py
+
+
+def _head(p: ClusterProfile, image: str, serve_port: int, model_path: str | None, keys: Keys) -> dict[str, Any]:
     alive = _probe("/api/healthz", AGENT_PORT, initial=30, failures=120)
     ready = _probe("/api/healthz", AGENT_PORT, initial=10, failures=10)
     ports = {"gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": serve_port, "metrics": METRICS_PORT}
     container = _container("ray-head", image, _env(model_path), ports, _resources(p.head_cpu, p.head_memory, 0),
-                           (alive, ready), [])
+                           (alive, ready), [copy.deepcopy(keys[1])] if keys else [])
+    # The operator reaches the dashboard through the head Service: it cannot listen on loopback only
+    # (ops/exposure.py); the NetworkPolicy limits who reaches it.
     return {"rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0",
                                "metrics-export-port": str(METRICS_PORT)},
-            "template": _template("ray-head", container, [])}
+            "template": _template("ray-head", container, [copy.deepcopy(keys[0])] if keys else [])}
 
 
 def _worker(p: ClusterProfile, units: Units, image: str, serve_port: int, model_path: str | None,
-            proxies_on_workers: bool, grace_s: int) -> dict[str, Any]:
+            proxies_on_workers: bool, grace_s: int, keys: Keys) -> dict[str, Any]:
     alive = _probe("/api/healthz", AGENT_PORT, initial=30, failures=120)
     # Serve drains the proxy of a node without replicas (503 on /-/healthz): not ready = no traffic.
     ready = (_probe("/-/healthz", serve_port, initial=10, failures=10) if proxies_on_workers
@@ -154,6 +161,9 @@ def _worker(p: ClusterProfile, units: Units, image: str, serve_port: int, model_
     if p.model_volume:
         mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": MODEL_CLAIM, "readOnly": True}})
+    if keys:  # Ingress replicas may run on any node
+        volumes.append(copy.deepcopy(keys[0]))
+        mounts.append(copy.deepcopy(keys[1]))
     ports = {"serve": serve_port, "metrics": METRICS_PORT} if proxies_on_workers else {"metrics": METRICS_PORT}
     container = _container("ray-worker", image, _env(model_path), ports,
                            _resources(p.worker_cpu, p.worker_memory, units.gpus), (alive, ready), mounts)
@@ -192,8 +202,9 @@ def rayservice(config_text: str, p: ClusterProfile) -> dict[str, Any]:
     if p.autoscaling:
         cluster["autoscalerOptions"] = {"version": "v2", "upscalingMode": "Default", "idleTimeoutSeconds": 300}
     cluster["authOptions"] = {"mode": "token", "secretName": AUTH_SECRET}
-    cluster["headGroupSpec"] = _head(p, image, serve_port, path)
-    cluster["workerGroupSpecs"] = [_worker(p, units, image, serve_port, path, proxies_on_workers, grace)]
+    keys = api_keys_mount(config)
+    cluster["headGroupSpec"] = _head(p, image, serve_port, path, keys)
+    cluster["workerGroupSpecs"] = [_worker(p, units, image, serve_port, path, proxies_on_workers, grace, keys)]
     spec: dict[str, Any] = {
         "upgradeStrategy": {"type": UPGRADE_TYPE},
         "rayClusterDeletionDelaySeconds": int(http.get("request_timeout_s", 60)),

@@ -1,8 +1,9 @@
 """Every generated file under k8s/: what `tidal k8s render` writes and tests compare byte for byte.
 
-Owns: `render_tree(prod_config, sim_config)` -> {relative path: text}, the monitoring objects
+Owns: `render_tree(prod_config, sim_config)` -> {relative path: text} (the RayService, the
+NetworkPolicy of ops/exposure.py, the monitoring objects
 (PodMonitor for Ray's metrics port on head and workers, PrometheusRule, the dashboards
-ConfigMap for Grafana's sidecar), the sim-cpu overlay patch (RFC 6902 operations that turn the
+ConfigMap for Grafana's sidecar)), the sim-cpu overlay patch (RFC 6902 operations that turn the
 production RayService into the one rendered from configs/sim.yaml), and the YAML style
 (multi-line strings as literal blocks, key order kept, no line folding).
 Hand-written files (kustomization.yaml, overlays/prod/gpu-nodes.yaml, Dockerfile) are not here.
@@ -17,10 +18,12 @@ from typing import Any
 import yaml
 
 from ops import alerts, dashboards
+from ops.exposure import network_policy
 from ops.k8s import APP_LABEL, METRICS_PORT, NAME, PROD, SIM_CPU, rayservice
 from ops.targets import PROD_CONFIG, REPO_ROOT, SIM_CONFIG, targets_from_config
 
 RAYSERVICE = "base/rayservice.yaml"
+NETWORK_POLICY = "base/networkpolicy.yaml"
 SIM_PATCH = "overlays/sim-cpu/sim-cpu.yaml"
 PODMONITOR = "monitoring/podmonitor.yaml"
 PROMETHEUS_RULE = "monitoring/prometheusrule.yaml"
@@ -128,6 +131,9 @@ def render_tree(prod_config: Path = PROD_CONFIG, sim_config: Path = SIM_CONFIG) 
     metrics_src = "serve_app/metric_defs.py"
     tree = {
         RAYSERVICE: header(prod_src, "pyproject.toml") + to_yaml(prod_rs),
+        NETWORK_POLICY: header(f"ops/exposure.py and {prod_src} (Serve port)") + to_yaml(
+            network_policy(APP_LABEL, int((yaml.safe_load(prod_text).get("http_options") or {}).get("port", 8000)),
+                           METRICS_PORT)),
         SIM_PATCH: header(sim_src, f"the production RayService ({prod_src})") + to_yaml(json_patch(prod_rs, sim_rs)),
         PODMONITOR: header(f"ops/ (Ray metrics port {METRICS_PORT})") + to_yaml(podmonitor()),
         PROMETHEUS_RULE: header(metrics_src, prod_src) + to_yaml(prometheus_rule(groups)),

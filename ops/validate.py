@@ -7,7 +7,9 @@ added wherever the schema lists properties and does not allow extra ones (the AP
 silently prune a typo), then by ops/k8s_checks.py; core kinds (and every pod
 template inside a RayService) with `kubernetes-validate` in strict mode; PrometheusRule groups
 with `promtool check rules` when Prometheus is installed; PodMonitor and the dashboards
-ConfigMap by hand (no schema for monitoring.coreos.com ships here).
+ConfigMap by hand (no schema for monitoring.coreos.com ships here); the NetworkPolicy with
+`kubernetes-validate`, and against its RayService by ops/exposure.py (what is published, keys
+required and mounted; optional in the kind smoke test).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any
 import yaml
 
 from ops import kustomize
+from ops.exposure import POLICY_NAME, check_exposure
+from ops.k8s import METRICS_PORT
 from ops.k8s_checks import check_rayservice
 from ops.targets import REPO_ROOT
 
@@ -32,6 +36,8 @@ CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayc
              "RayJob": "ray.io_rayjobs.yaml"}
 K8S_VERSION = "1.32.0"
 KUSTOMIZATIONS = ("base", "monitoring", "overlays/prod", "overlays/sim-cpu")
+SMOKE_TESTS = ("overlays/sim-cpu",)
+"""Kustomizations whose Serve config is a dev config: API keys optional (kind, no clients)."""
 
 
 def strict(schema: Any) -> Any:
@@ -157,4 +163,18 @@ def validate_tree(k8s_dir: Path) -> dict[str, list[str]]:
             continue
         report[rel] = [f"{o.get('kind')}/{o.get('metadata', {}).get('name')}: {e}"
                        for o in objects for e in validate_object(o)]
+        report[rel] += exposure_errors(objects, require_keys=rel not in SMOKE_TESTS)
     return report
+
+
+def exposure_errors(objects: list[dict[str, Any]], require_keys: bool = True) -> list[str]:
+    """Across objects: the RayService's NetworkPolicy and API-key Secret mount (ops/exposure.py)."""
+    services = [o for o in objects if o.get("kind") == "RayService"]
+    policies = {o["metadata"]["name"]: o for o in objects if o.get("kind") == "NetworkPolicy"}
+    errors: list[str] = []
+    for rs in services:
+        config = yaml.safe_load(rs["spec"].get("serveConfigV2") or "") or {}
+        port = int((config.get("http_options") or {}).get("port", 8000))
+        errors += [f"RayService/{rs['metadata']['name']}: {e}"
+                   for e in check_exposure(rs, policies.get(POLICY_NAME), port, METRICS_PORT, require_keys)]
+    return errors

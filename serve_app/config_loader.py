@@ -1,9 +1,10 @@
 """Application arguments: the `args:` block of a Serve config, validated strictly.
 
 Owns: the pydantic models of `args` (`AppArgs` = engine + scheduler + ingress + streaming +
-default_sampling), the one place environment variables are read (`TIDAL_MODEL` overrides
-`engine.model`, e.g. a model path mounted into a KubeRay pod), and the translation to the core's
-frozen `SchedulerConfig`.
+default_sampling + auth), the one place environment variables are read (`TIDAL_MODEL` overrides
+`engine.model`, e.g. a model path mounted into a KubeRay pod; `TIDAL_API_KEYS` holds API keys, read
+by each Ingress replica through `env_api_keys` so keys never travel in the deployment's
+arguments), and the translation to the core's frozen `SchedulerConfig`.
 Unknown keys are errors that name the key (Serve's own schema would accept them silently).
 """
 
@@ -94,12 +95,41 @@ class DefaultSamplingArgs(_Strict):
     top_k: int | None = Field(None, ge=-1, description="default top-k (-1 or 0: off)")
 
 
+class KeyLimitArgs(_Strict):
+    rpm: int | None = Field(None, ge=1, description="requests per minute (None: no limit)")
+    tpm: int | None = Field(None, ge=1, description="prompt + generated tokens per minute (None: no limit)")
+
+
+class AuthArgs(_Strict):
+    """API keys and per-key limits, checked at the front end (serve_app/auth.py)."""
+
+    required: bool = Field(False, description="every request needs a valid key (401 otherwise); needs "
+                           "keys_file or TIDAL_API_KEYS. Keys in TIDAL_API_KEYS turn checking on even when false")
+    keys_file: str | None = Field(None, description="file of keys (one per line or comma-separated), e.g. a "
+                                  "mounted Kubernetes Secret; re-read every reload_period_s")
+    reload_period_s: float = Field(2.0, gt=0, le=5.0, description="how often the keys file is re-read")
+    open_paths: list[str] = Field(default_factory=lambda: ["/health"], description="paths served without a key")
+    rpm: int | None = Field(None, ge=1, description="default requests per minute of each key")
+    tpm: int | None = Field(None, ge=1, description="default tokens per minute of each key")
+    per_key: dict[str, KeyLimitArgs] = Field(default_factory=dict, description="limits by key id (key-<sha256 "
+                                             "prefix>), replacing rpm/tpm for that key")
+
+    @model_validator(mode="after")
+    def _ids_not_keys(self) -> AuthArgs:
+        bad = [k for k in self.per_key if not (k.startswith("key-") and len(k) == 16)]
+        if bad:
+            raise ValueError(f"auth.per_key is keyed by key id ('key-' + 12 hex digits, as logged), not by key: "
+                             f"{len(bad)} entr{'y' if len(bad) == 1 else 'ies'} do not look like one")
+        return self
+
+
 class AppArgs(_Strict):
     engine: EngineArgs = Field(default_factory=EngineArgs)
     scheduler: SchedulerArgs = Field(default_factory=SchedulerArgs)
     ingress: IngressArgs = Field(default_factory=IngressArgs)
     streaming: StreamingArgs = Field(default_factory=StreamingArgs)
     default_sampling: DefaultSamplingArgs = Field(default_factory=DefaultSamplingArgs)
+    auth: AuthArgs = Field(default_factory=AuthArgs)
 
 
 def load_app_args(raw: dict[str, Any] | None, environ: dict[str, str] | None = None) -> AppArgs:
@@ -109,6 +139,14 @@ def load_app_args(raw: dict[str, Any] | None, environ: dict[str, str] | None = N
     if env.get("TIDAL_MODEL"):
         data["engine"] = {**dict(data.get("engine") or {}), "model": env["TIDAL_MODEL"]}
     return AppArgs.model_validate(data)
+
+
+def env_api_keys(environ: dict[str, str] | None = None) -> list[str]:
+    """The keys in `TIDAL_API_KEYS` (comma- or newline-separated), read in the Ingress replica."""
+    from serve_app.api_keys import parse_keys
+
+    env = os.environ if environ is None else environ
+    return parse_keys(env.get("TIDAL_API_KEYS", ""))
 
 
 def _replace(obj: Any, overrides: dict[str, Any], where: str) -> Any:

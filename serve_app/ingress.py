@@ -39,7 +39,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from serve_app.auth import ApiKeyGate, ApiKeyMiddleware, gate_from_args
 from serve_app.front_gate import FrontGate, FrontGateMiddleware, gate_headers
+from serve_app.key_usage import MeteredEngine
 from serve_app.openai.errors import OpenAIError, from_engine_error, server_error, unavailable
 from serve_app.openai.http_limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, error_response
 from serve_app.openai.requests import ChatCompletionRequest, CompletionRequest
@@ -180,8 +182,10 @@ async def _on_unexpected(request: Request, exc: Exception) -> Response:
     return error_response(server_error("internal server error"))
 
 
-def build_app(server: OpenAIServer | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """A FastAPI app with every route and handler; `server` may be attached later via `app.state`."""
+def build_app(server: OpenAIServer | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              auth_gate: ApiKeyGate | None = None) -> FastAPI:
+    """A FastAPI app with every route and handler; `server` and `auth_gate` may be attached later via
+    `app.state`."""
     app = FastAPI(title="tidalserve", version="0.1.0",
                   description="OpenAI-compatible completions and chat completions (see docs/api.md).")
     app.state.openai_server = server
@@ -189,7 +193,11 @@ def build_app(server: OpenAIServer | None = None, max_body_bytes: int = DEFAULT_
     app.state.front_gate = None
     app.include_router(api)
     app.add_middleware(BodyLimitMiddleware)
-    app.add_middleware(FrontGateMiddleware)  # outermost: before any body is read
+    app.add_middleware(FrontGateMiddleware)  # before any body is read
+    # --- API keys (serve_app/auth.py): added last, so it runs first, before any other work ---
+    app.state.auth_gate = auth_gate
+    app.add_middleware(ApiKeyMiddleware)
+    # --- end API keys ---
     app.add_exception_handler(OpenAIError, _on_openai_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
@@ -360,9 +368,17 @@ class Ingress:
         info: ModelInfo = await router.model_info.remote()
         sampling = resolve_sampling_defaults(read_generation_config(path), _config_sampling(model))
         admission: AdmissionConfig = await router.admission_config.remote()
-        engine = HandleEngineClient(router, info)
-        self.gate = FrontGate(admission, engine.load, closed=engine.recovering_error)
-        engine.on_load = self.gate.observe
+        handle_client = HandleEngineClient(router, info)
+        self.gate = FrontGate(admission, handle_client.load, closed=handle_client.recovering_error)
+        handle_client.on_load = self.gate.observe
+        engine: Any = handle_client
+        # --- API keys (serve_app/auth.py): None when no key is configured ---
+        from serve_app.config_loader import env_api_keys
+
+        self.auth_gate = gate_from_args(model if isinstance(model, Mapping) else None, env_api_keys())
+        if self.auth_gate is not None:
+            engine = MeteredEngine(engine, self.auth_gate.usage)
+        # --- end API keys ---
         self.server = OpenAIServer(engine, tokenizer, model_aliases=aliases, request_timeout_s=timeout,
                                    sampling_defaults=sampling)
         logger.info("ingress ready: model %r (aliases %s), max_model_len %d, sampling defaults %s", info.model_id,
@@ -374,4 +390,5 @@ class Ingress:
         asgi.state.openai_server = self.server
         asgi.state.max_body_bytes = self.max_body_bytes
         asgi.state.front_gate = self.gate
+        asgi.state.auth_gate = self.auth_gate  # API keys (serve_app/auth.py)
         return asgi

@@ -88,8 +88,19 @@ ARRIVALS = MetricDef("tidal_requests_arrived", "counter", "Requests that reached
 ENGINE_ERRORS = MetricDef("tidal_engine_errors", "counter", "Engine failures (dead workers), by kind",
                           (UNIT_TAG, "kind"))
 
+KEY_TAG = "key"
+"""API-key usage is labelled by key id (`key-` + a SHA-256 prefix), never by the key itself."""
+API_REQUESTS = MetricDef("tidal_api_requests", "counter",
+                         "Requests with a valid API key at the ingress, by outcome (admitted, rate_limited)",
+                         (KEY_TAG, "outcome"))
+API_TOKENS = MetricDef("tidal_api_tokens", "counter", "Tokens used per API key, by kind (prompt, completion)",
+                       (KEY_TAG, "kind"))
+AUTH_FAILURES = MetricDef("tidal_auth_failures", "counter",
+                          "Requests refused with 401 at the ingress: no API key or an unknown one", ())
+
 ALL_METRICS: tuple[MetricDef, ...] = (
     TTFT, ITL, E2E, QUEUE_TIME, MICROWAIT, BATCH_SIZE, STEP_TIME,
     RUNNING, WAITING, KV_USAGE, REGIME, LOAD, CAPACITY, QUEUE_DELAY, PADDING_WASTE, UNITS_DESIRED, UNITS_DEMAND,
     DISPATCHES, REJECTIONS, PREEMPTIONS, FINISHED, PROMPT_TOKENS, GENERATION_TOKENS, ARRIVALS, ENGINE_ERRORS,
+    API_REQUESTS, API_TOKENS, AUTH_FAILURES,
 )

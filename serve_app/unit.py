@@ -158,7 +158,8 @@ class ServingUnit:
                 "num_streams": len(self.loop.streams), "num_requests": len(s.requests),
                 "regime_name": s.current_regime.value, "policy": s.config.policy,
                 "finished": dict(s.stats.finished), "rejected": dict(s.stats.rejected),
-                "preempted": dict(s.stats.preempted), "num_steps": s.stats.num_steps}
+                "preempted": dict(s.stats.preempted), "num_steps": s.stats.num_steps,
+                "num_arrived": s.stats.num_arrived}
 
     async def memory_growth(self, baseline: bool = False, top: int = 12) -> list[str]:
         """Where this process's Python memory grew since the baseline (`baseline=True` takes it),

@@ -5,6 +5,9 @@ each application from its `import_path` and `args`, applying the `deployments:` 
 `serve deploy` would: configs/local.yaml (SmolLM2 on CPU) at `/` and configs/sim.yaml (the
 simulated A100 unit) at `/sim`. The only changes are the application names, the route prefix
 of the second, and the HTTP port (a free one, so a developer's `make serve` is not disturbed).
+A third application, `/keyed`, is configs/sim.yaml with API keys required: one key from
+`TIDAL_API_KEYS` (the application's runtime_env), the others from a keys file the tests rewrite
+(rotation), and a per-key RPM limit on one of them (tests/integration/test_api_keys.py).
 Ray's metrics export port is fixed here so the Prometheus test can scrape it.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +39,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# The keyed application's keys (test-only values) and its keys file.
+ENV_KEY = "tk-env-5b0c1f8e2d7a4b69"
+FILE_KEYS = ("tk-file-a41e9c07d3b2", "tk-file-stable-77f0e2c9")
+BURST_KEY = "tk-burst-3c9d01aa7e55"
+BURST_RPM = 5
+KEYS_FILE = Path(tempfile.mkdtemp(prefix="tidal-keys-")) / "keys"
+
+
 @dataclass(frozen=True)
 class ServeCluster:
     http_port: int
@@ -52,8 +64,22 @@ def combined_config(http_port: int) -> dict:
     for name, prefix, cfg in (("local", "/", local), ("sim", "/sim", sim)):
         (app,) = cfg["applications"]
         apps.append({**app, "name": name, "route_prefix": prefix})
+    apps.append(keyed_app(sim))
     return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": http_port},
             "applications": apps}
+
+
+def keyed_app(sim: dict) -> dict:
+    """configs/sim.yaml's application with API keys required (keys file written here)."""
+    from serve_app.api_keys import key_id
+
+    KEYS_FILE.write_text("\n".join([*FILE_KEYS, BURST_KEY]) + "\n")
+    (app,) = yaml.safe_load(yaml.safe_dump(sim))["applications"]
+    app["args"]["auth"] = {"required": True, "keys_file": str(KEYS_FILE), "reload_period_s": 2.0,
+                           "per_key": {key_id(BURST_KEY): {"rpm": BURST_RPM}}}
+    env = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
+    env.update({"TIDAL_API_KEYS": ENV_KEY, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"})
+    return {**app, "name": "keyed", "route_prefix": "/keyed"}
 
 
 def wait_healthy(url: str, timeout_s: float) -> None:
@@ -87,6 +113,7 @@ def serve_cluster() -> Iterator[ServeCluster]:
         client.deploy_apps(ServeDeploySchema.model_validate(combined_config(cluster.http_port)))
         wait_healthy(cluster.base_url, 300)
         wait_healthy(cluster.base_url + "/sim", 120)
+        wait_healthy(cluster.base_url + "/keyed", 120)  # /health is open
         yield cluster
     finally:
         serve.shutdown()
@@ -101,6 +128,11 @@ def local_server_url(serve_cluster: ServeCluster) -> str:
 @pytest.fixture(scope="session")
 def sim_server_url(serve_cluster: ServeCluster) -> str:
     return serve_cluster.base_url + "/sim"
+
+
+@pytest.fixture(scope="session")
+def keyed_server_url(serve_cluster: ServeCluster) -> str:
+    return serve_cluster.base_url + "/keyed"
 
 
 def unit_state(app: str, check: bool = True) -> dict:

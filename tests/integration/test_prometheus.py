@@ -28,7 +28,7 @@ import yaml
 from ops import alerts, dashboards, promql
 from ops.grafana_panels import expressions
 from ops.targets import load_targets
-from tests.integration.conftest import ROOT, ServeCluster, free_port, unit_state
+from tests.integration.conftest import ENV_KEY, ROOT, ServeCluster, free_port, unit_state
 
 pytestmark = pytest.mark.ray
 RULE_FILE = ROOT / "k8s" / "prometheus" / "tidalserve-rules.yaml"
@@ -116,6 +116,11 @@ def _trickle(base: str, stop: threading.Event, outcomes: Counter[str]) -> None:
                 r = client.post(f"{base}/sim/v1/completions", json={
                     "model": SIM_MODEL, "prompt": "word " * 200, "max_tokens": 8, "ignore_eos": True})
                 outcomes[str(r.status_code)] += 1
+                # The keyed application's per-key counters and its 401 counter move too.
+                for key in (ENV_KEY, "tk-not-a-key"):
+                    r = client.post(f"{base}/keyed/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                    json={"model": SIM_MODEL, "prompt": "word", "max_tokens": 2})
+                    outcomes[f"keyed {r.status_code}"] += 1
             except httpx.HTTPError as e:
                 outcomes[type(e).__name__] += 1
                 time.sleep(0.2)
@@ -180,9 +185,9 @@ def test_every_dashboard_expression_parses_and_has_data(loaded: str) -> None:
     for title, legend, expr in checked:
         _check(loaded, (title, legend), expr, EMPTY_PANEL_QUERIES)
     assert len(checked) > 40
-    # The `unit` variable lists both deployed units (local and sim; each exports from its first request).
+    # The `unit` variable lists every deployed unit (local, sim and keyed; each exports from its first request).
     _wait(lambda: len(httpx.get(f"{loaded}/api/v1/label/unit/values", params={"match[]": "ray_tidal_regime"},
-                                timeout=10).json()["data"]) == 2, 30, "both units in the unit variable")
+                                timeout=10).json()["data"]) == 3, 30, "all three units in the unit variable")
 
 
 def test_latency_quantiles_have_values(loaded: str) -> None:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from ops import k8s, kustomize, manifests, validate
+from ops import exposure, k8s, kustomize, manifests, validate
 from ops.k8s_checks import check_rayservice, quantity
 from ops.targets import PROD_CONFIG, REPO_ROOT, SIM_CONFIG
 from tidal_cli import main as tidal
@@ -42,7 +42,8 @@ def sim_rs() -> Obj:
 
 
 def test_render_reproduces_the_committed_files_byte_for_byte(tree: dict[str, str]) -> None:
-    assert set(tree) >= {manifests.RAYSERVICE, manifests.SIM_PATCH, manifests.PODMONITOR, manifests.RULE_FILE}
+    assert set(tree) >= {manifests.RAYSERVICE, manifests.NETWORK_POLICY, manifests.SIM_PATCH, manifests.PODMONITOR,
+                         manifests.RULE_FILE}
     for rel, text in tree.items():
         assert (K8S / rel).read_text() == text, f"k8s/{rel} is stale: run `tidal k8s render`"
 
@@ -55,8 +56,8 @@ def test_every_kustomization_validates() -> None:
 
 def test_overlays_hold_what_they_should(prod_rs: Obj, sim_rs: Obj) -> None:
     prod_kinds = sorted(o["kind"] for o in kustomize.build(K8S / "overlays" / "prod"))
-    assert prod_kinds == ["ConfigMap", "PodMonitor", "PrometheusRule", "RayService"]
-    assert [o["kind"] for o in kustomize.build(K8S / "overlays" / "sim-cpu")] == ["RayService"]
+    assert prod_kinds == ["ConfigMap", "NetworkPolicy", "PodMonitor", "PrometheusRule", "RayService"]
+    assert [o["kind"] for o in kustomize.build(K8S / "overlays" / "sim-cpu")] == ["RayService", "NetworkPolicy"]
     assert prod_rs["spec"]["serveConfigV2"] == PROD_CONFIG.read_text()
     assert sim_rs["spec"]["serveConfigV2"] == SIM_CONFIG.read_text()
     for rs in (prod_rs, sim_rs):  # also inside validate_object (check_serve_config starts with it)
@@ -142,6 +143,96 @@ BAD = {
     "ray version": (_set("spec/rayClusterConfig/rayVersion", "2.9.0"), "rayVersion"),
     "object store over shm": (_set(f"{WORKER}/rayStartParams/object-store-memory", str(128 * 2**30)), "dev/shm"),
 }
+
+
+def _policy(objects: list[Obj]) -> Obj:
+    (policy,) = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    return policy
+
+
+def _rs(objects: list[Obj]) -> Obj:
+    (rs,) = [o for o in objects if o["kind"] == "RayService"]
+    return rs
+
+
+def _drop_policy(objects: list[Obj]) -> None:
+    objects.remove(_policy(objects))
+
+
+def _open_dashboard(objects: list[Obj]) -> None:
+    _policy(objects)["spec"]["ingress"].append({"ports": [{"protocol": "TCP", "port": 8265}]})
+
+
+def _open_everything(objects: list[Obj]) -> None:
+    _policy(objects)["spec"]["ingress"].append({})
+
+
+def _unpublish_serve(objects: list[Obj]) -> None:
+    _policy(objects)["spec"]["ingress"].pop(0)
+
+
+def _other_pods(objects: list[Obj]) -> None:
+    _policy(objects)["spec"]["podSelector"] = {"matchLabels": {"app": "something-else"}}
+
+
+def _keys_optional(objects: list[Obj]) -> None:
+    _serve("required: true", "required: false")(_rs(objects))
+
+
+def _sub_path(objects: list[Obj]) -> None:
+    worker = _rs(objects)["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    (mount,) = [m for m in worker["containers"][0]["volumeMounts"] if m["name"] == exposure.API_KEYS_VOLUME]
+    mount["subPath"] = "keys"
+
+
+def _no_head_mount(objects: list[Obj]) -> None:
+    head = _rs(objects)["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    head["containers"][0]["volumeMounts"] = []
+
+
+EXPOSURE_BAD = {
+    "no policy": (_drop_policy, "no NetworkPolicy"),
+    "dashboard open to anyone": (_open_dashboard, "other than Serve's"),
+    "every port open": (_open_everything, "['all']"),
+    "serve port not published": (_unpublish_serve, "does not publish the Serve port 8000"),
+    "policy selects other pods": (_other_pods, "does not select the Ray pods"),
+    "keys optional": (_keys_optional, "auth.required"),
+    "subPath mount": (_sub_path, "subPath"),
+    "no mount on the head": (_no_head_mount, "head: the tidal-api-keys Secret is not mounted"),
+}
+
+
+def test_exposure_is_what_clients_need() -> None:
+    objects = kustomize.build(K8S / "overlays" / "prod")
+    assert validate.exposure_errors(objects) == []
+    policy = _policy(objects)
+    rules = policy["spec"]["ingress"]
+    assert rules[0] == {"ports": [{"protocol": "TCP", "port": 8000}]}  # only the Serve port is public
+    assert all("from" in r for r in rules[1:])
+    rs = _rs(objects)
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]
+    # KubeRay's operator deploys serveConfigV2 through the dashboard on the head Service: it must listen
+    # on the pod address; the policy opens its port to the operator and the Ray pods only.
+    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+    assert [r["ports"] for r in rules if 8265 in [p["port"] for p in r.get("ports", [])]] == [
+        [{"protocol": "TCP", "port": 8265}, {"protocol": "TCP", "port": 52365}]]
+    keys_file = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]["auth"]["keys_file"]
+    for _, template in validate.pod_templates(rs):
+        (mount,) = [m for m in template["spec"]["containers"][0]["volumeMounts"]
+                    if m["name"] == exposure.API_KEYS_VOLUME]
+        assert Path(keys_file).parent == Path(mount["mountPath"]) and "subPath" not in mount
+    sim = kustomize.build(K8S / "overlays" / "sim-cpu")
+    assert validate.exposure_errors(sim, require_keys=False) == []
+    assert any("auth.required" in e for e in validate.exposure_errors(sim, require_keys=True))
+
+
+@pytest.mark.parametrize("name", sorted(EXPOSURE_BAD))
+def test_exposure_checks_catch(name: str) -> None:
+    mutate, fragment = EXPOSURE_BAD[name]
+    objects = copy.deepcopy(kustomize.build(K8S / "overlays" / "prod"))
+    mutate(objects)
+    errors = validate.exposure_errors(objects)
+    assert any(fragment in e for e in errors), errors
 
 
 @pytest.mark.parametrize("name", sorted(BAD))
