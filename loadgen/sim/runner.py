@@ -25,6 +25,7 @@ from calibration.unit_sizing import kv_cache_blocks
 from loadgen import plots
 from loadgen.records import Trace
 from loadgen.report import STATUS_NAMES, RunOutcomes, Slo, markdown_table, per_hour, summarize, write_json
+from loadgen.retry_policy import RetryPolicy
 from loadgen.sim.simulation import SimConfig, SimRun, simulate
 from tidal_core import AutoscaleConfig, SchedulerConfig, preset
 
@@ -74,6 +75,7 @@ class RunSpec:
     provisioning_s: float = 300.0
     seed: int = 0
     scheduler: SchedulerConfig | None = None  # an exact config (e.g. a Serve config's) instead of preset + SLO
+    retries: RetryPolicy | None = None  # clients retry refused requests (the openai client's rules)
 
 
 def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:
@@ -84,7 +86,7 @@ def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:
                                                                      target_tpot_s=spec.slo.tpot_s))
     config = SimConfig(cfg, executor_factory(spec.cost_model), spec.slo, num_units=spec.units,
                        gpus_per_unit=spec.cost_model.tp, autoscale=spec.autoscale, provisioning_s=spec.provisioning_s,
-                       seed=spec.seed)
+                       seed=spec.seed, retries=spec.retries)
     bar = tqdm(total=len(spec.trace), desc=f"{policy:>10}", unit="req", disable=not progress, leave=False,
                mininterval=1.0)
     t0 = time.perf_counter()

@@ -24,7 +24,9 @@ import numpy as np
 
 from loadgen.records import Trace
 from loadgen.report import ERROR, OK, REJECTED, RunOutcomes, Slo
+from loadgen.retry_policy import RetryPolicy
 from loadgen.sim.cluster import Fleet
+from loadgen.sim.retries import RetryingClients
 from tidal_core import (
     AutoscaleConfig,
     Request,
@@ -52,6 +54,7 @@ class SimConfig:
     provisioning_s: float = 300.0
     sample_interval_s: float = 60.0
     seed: int = 0
+    retries: RetryPolicy | None = None  # clients retry refusals (loadgen/sim/retries.py); None: never
 
 
 class Unit:
@@ -91,6 +94,7 @@ class SimRun:
     unit_intervals: list[tuple[float, float]]
     counters: dict[str, dict[str, int]]
     wall_s: float = 0.0
+    retries: RetryingClients | None = None
 
 
 class _Recorder:
@@ -103,6 +107,7 @@ class _Recorder:
         self.ttft = np.full(n, np.nan)
         self.e2e = np.full(n, np.nan)
         self.n_out = np.zeros(n, np.int64)
+        self.predicted_ttft = np.full(n, np.nan)  # the scheduler's TTFT prediction at admission
 
 
 def simulate(trace: Trace, config: SimConfig, progress: Callable[[int], None] | None = None) -> SimRun:
@@ -116,6 +121,7 @@ def simulate(trace: Trace, config: SimConfig, progress: Callable[[int], None] | 
     heap: list[tuple[float, int, int, int]] = []
     seq = 0
     regime_of: dict[int, str] = {}
+    retries = RetryingClients(config.retries, trace, config.seed) if config.retries is not None else None
 
     def kick(unit: Unit, now: float) -> None:
         nonlocal seq
@@ -152,14 +158,21 @@ def simulate(trace: Trace, config: SimConfig, progress: Callable[[int], None] | 
                 rec.e2e[idx] = now - arrivals[idx]
                 rec.n_out[idx] = len(req.output_token_ids)
                 rec.status[idx] = OK
+                if req.predicted_ttft_s is not None:
+                    rec.predicted_ttft[idx] = req.predicted_ttft_s
         kick(unit, now)
 
     def on_arrival(i: int, now: float) -> None:
         unit = fleet.route(now)
         req = Request(str(i), inputs[i], SamplingParams(max_tokens=outputs[i], ignore_eos=True), now)
-        if unit is None or unit.sched.add_request(req, now) is not None:
+        rejection = unit.sched.add_request(req, now) if unit is not None else None
+        if unit is None or rejection is not None:
             rec.status[i] = REJECTED
+            if retries is not None:
+                retries.on_rejected(i, now, rejection)
             return
+        if retries is not None:
+            retries.on_admitted(i)
         if unit.inflight is None:  # idle, or in a micro-wait: the arrival may change the decision
             kick(unit, now)
 
@@ -169,6 +182,8 @@ def simulate(trace: Trace, config: SimConfig, progress: Callable[[int], None] | 
     while True:
         t_arr = arrivals[i] if i < n else INF
         t_evt = heap[0][0] if heap else INF
+        t_retry = retries.next_s if retries is not None else INF
+        t_arr = min(t_arr, t_retry)
         if t_arr == INF and t_evt == INF:
             break
         if next_sample <= min(t_arr, t_evt):
@@ -181,7 +196,12 @@ def simulate(trace: Trace, config: SimConfig, progress: Callable[[int], None] | 
                     kick(unit, next_tick)
             next_tick += config.autoscale_interval_s
             continue
-        if t_arr <= t_evt:
+        if t_retry == t_arr and t_arr <= t_evt and retries is not None and (i >= n or t_retry < arrivals[i]):
+            # A retry is an arrival of its own request at its send time, measured from there.
+            t_retry, j = retries.pop()
+            arrivals[j] = t_retry
+            on_arrival(j, t_retry)
+        elif t_arr <= t_evt:
             on_arrival(i, t_arr)
             i += 1
             if progress is not None and i % 10_000 == 0:
@@ -200,8 +220,9 @@ def simulate(trace: Trace, config: SimConfig, progress: Callable[[int], None] | 
     gpu_hours = sum(b - a for a, b in intervals) * config.gpus_per_unit / 3600.0
     counters = _merge_counters([u.sched for u in fleet.all_units()])
     outcomes = RunOutcomes(rec.arrival, trace.input_tokens, rec.n_out, rec.status, rec.ttft, rec.e2e,
-                           float(trace.duration_s), gpu_hours, counters["preempted"].get("kv_exhausted", 0))
-    return SimRun(outcomes, samples, intervals, {k: dict(v) for k, v in counters.items()})
+                           float(trace.duration_s), gpu_hours, counters["preempted"].get("kv_exhausted", 0),
+                           extra={"predicted_ttft_s": rec.predicted_ttft})
+    return SimRun(outcomes, samples, intervals, {k: dict(v) for k, v in counters.items()}, retries=retries)
 
 
 def _merge_counters(scheds: list[Scheduler]) -> dict[str, Counter[str]]:
