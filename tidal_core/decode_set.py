@@ -120,7 +120,9 @@ class DecodeSet:
         if not due:
             return []
         reqs = self.reqs
-        return [r for r in due if reqs.get(r.request_id) is r and len(r.output_token_ids) >= self.length_limit(r)]
+        out = [r for r in due if reqs.get(r.request_id) is r and len(r.output_token_ids) >= self.length_limit(r)]
+        # A request preempted and resumed within one step is listed twice for the same step.
+        return list({id(r): r for r in out}.values()) if len(out) > 1 else out
 
     def check_integrity(self) -> None:
         if not list(self.reqs) == list(self.outs) == list(self.ones) or set(self.reqs) != set(self._phase_of):
