@@ -30,10 +30,12 @@ def parse_duration(text: str) -> float:
 
 def register(sub: Any) -> None:
     from loadgen.sim import cli as sim_cli  # here, not at the top: it loads tidal_core
+    from loadgen.sim import sweep_cli
 
     _register_replay(sub)
     _register_compare(sub)
     sim_cli.register(sub)
+    sweep_cli.register(sub)
 
 
 def _register_replay(sub: Any) -> None:
