@@ -142,7 +142,9 @@ class StepSizingConfig:
     The step sizer aims at `headroom` x the target; a decode-only step may use `decode_share`
     of that aim (the running-batch cap). Each decode banks what its steps came in under the
     aim; a step may be as long as the aim plus the smallest bank of the decodes in it, at most
-    `max_bank_steps` aims. Off (`enabled=False`) or without a TPOT target, steps are bounded
+    `max_bank_steps` aims. A decode younger than the `borrow_quantile` of measured output
+    lengths may borrow against its next tokens (0: never); when the oldest prompt has waited
+    `pressure_fraction` of the TTFT target, against the `pressure_quantile` instead. Off (`enabled=False`) or without a TPOT target, steps are bounded
     only by the token budget.
     """
 
@@ -150,8 +152,17 @@ class StepSizingConfig:
     headroom: float = 0.95
     decode_share: float = 0.9
     max_bank_steps: float = 50.0
+    borrow_quantile: float = 0.02
+    pressure_quantile: float = 0.1
+    pressure_fraction: float = 0.5
 
     def __post_init__(self) -> None:
+        _require(self.borrow_quantile <= self.pressure_quantile <= 1.0,
+                 f"step_sizing.pressure_quantile={self.pressure_quantile} must be in [borrow_quantile, 1]")
+        _require(0.0 < self.pressure_fraction <= 10.0,
+                 f"step_sizing.pressure_fraction={self.pressure_fraction} must be in (0, 10]")
+        _require(0.0 <= self.borrow_quantile <= 0.5,
+                 f"step_sizing.borrow_quantile={self.borrow_quantile} must be in [0, 0.5] (0: no borrowing)")
         _require(0.1 <= self.headroom <= 1.5, f"step_sizing.headroom={self.headroom} must be in [0.1, 1.5]")
         _require(0.1 <= self.decode_share <= 1.0,
                  f"step_sizing.decode_share={self.decode_share} must be in [0.1, 1]")

@@ -206,8 +206,8 @@ class Scheduler:
         budget.take_decodes(n_dec)
         wanted = budget.tokens_left
         allowance = self._prefill_cap
-        if self.sizer is not None:
-            allowance = min(allowance, self.sizer.prefill_allowance(self.load.service, n_dec))
+        if self.sizer is not None and (waiting or prefilling):
+            allowance = min(allowance, self.sizer.prefill_allowance(self.load.service, n_dec, self._ttft_pressure(now)))
         if allowance < wanted:
             budget.tokens_left = int(max(0, allowance))
         self._had_backlog = bool(waiting) or bool(prefilling)
@@ -288,6 +288,13 @@ class Scheduler:
             self.load.batch_cap = cap
         self._running_cap = cap
 
+    def _ttft_pressure(self, now: float) -> bool:
+        """The oldest prompt not yet computed has waited `pressure_fraction` of the TTFT target."""
+        oldest = next(iter(self.prefilling.values())).arrival_s if self.prefilling else math.inf
+        if self.waiting:
+            oldest = min(oldest, self.waiting[0].arrival_s)
+        return now - oldest >= self.config.step_sizing.pressure_fraction * self.config.admission.target_ttft_s
+
     def _on_preempted(self, req: Request) -> None:
         self.stats.preempted["kv_exhausted"] += 1
         if self.sizer is not None:
@@ -352,6 +359,8 @@ class Scheduler:
             self.sizer.on_decode_end(req.request_id)
         if reason is not FinishReason.ABORT:
             self.load.on_finish(now, len(req.output_token_ids))
+            if self.sizer is not None:
+                self.sizer.on_finished(len(req.output_token_ids))
         self.stats.finished[reason.value] += 1
         if finished is not None:
             finished.append(req)
