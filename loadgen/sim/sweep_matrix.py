@@ -160,4 +160,7 @@ def cell_trace(cell: Cell, cost: CostModel, base: SchedulerConfig, window: Windo
 
 def cells(traces: tuple[str, ...] | list[str] = TRACES, rates: tuple[float, ...] | list[float] = RATES,
           gpus: tuple[str, ...] | list[str] = GPUS) -> list[Cell]:
-    return [Cell(t, r, g) for g in gpus for t in traces for r in rates]
+    """Rate 1x first, then the others in the order given; within a rate, GPU by GPU. A sweep
+    cut short has the cells the goals are first judged on."""
+    order = sorted(rates, key=lambda r: (r != 1.0, list(rates).index(r)))
+    return [Cell(t, r, g) for r in order for g in gpus for t in traces]
