@@ -60,6 +60,21 @@ HEADLINE_COLUMNS = ("trace", "rate", "gpu", "adaptive", *BASELINES, "best", "rat
                     "best_tpot_p99_ms")
 
 
+def ratio_pivot(results: Sequence[dict[str, Any]], slo: str, key: str = "ratio") -> list[dict[str, Any]]:
+    """One row per trace, one column per GPU x rate: adaptive / hindsight-best (or another headline key)."""
+    table: dict[str, dict[str, Any]] = {}
+    for row in headline_rows(results, slo):
+        table.setdefault(row["trace"], {"trace": row["trace"]})[f"{row['gpu']} {row['rate']}"] = row.get(key)
+    return list(table.values())
+
+
+def pivot_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
+    cols: list[str] = []
+    for row in rows:
+        cols += [c for c in row if c not in cols]
+    return cols
+
+
 def day_hour_rows(res: dict[str, Any], slo: str) -> list[dict[str, Any]]:
     ad = res["variants"]["adaptive"]["slo"][slo]
     best = best_fixed(res, slo)
@@ -147,6 +162,9 @@ def report_markdown(results: Sequence[dict[str, Any]], slos: dict[str, Any], hea
                      "grid value with hindsight (goodput @ knob); `best` is the best fixed configuration of all; "
                      f"`ratio` = adaptive / best.\n\n{_summary_line(rows)}\n"
                      f"{markdown_table(rows, HEADLINE_COLUMNS)}")
+        pivot = ratio_pivot(results, name)
+        parts.append(f"Adaptive / hindsight-best fixed, by trace and GPU x rate (SLO {name}):\n\n"
+                     f"{markdown_table(pivot, pivot_columns(pivot))}")
         for res in results:
             hours = day_hour_rows(res, name)
             if hours:
