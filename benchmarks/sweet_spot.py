@@ -3,7 +3,8 @@
 For each cost model x trace x rate, runs `adaptive` once and `sarathi` (continuous + the same
 SLO admission + a fixed token budget) at every budget of `--budgets`, then picks the best
 budget with hindsight (highest goodput) and reports adaptive's goodput as a ratio of it, side
-by side with TPOT p99 and TTFT p50 of both. Windows are the first `--hours` of each trace.
+by side with TPOT p99 and TTFT p50 of both
+(and `eager`'s TTFT p50, the light-load reference). Windows are the first `--hours` of each trace.
 
     python benchmarks/sweet_spot.py --hours 0.25 --out runs/sweet_spot.json
 """
@@ -40,6 +41,7 @@ def cell(cost_name: str, trace_name: str, rate: float, hours: float, budgets: tu
     runs: dict[str, Any] = {}
     runs[policy] = _row(run_policy(RunSpec(trace, base, cost, slo, overrides=overrides or {}), policy,
                                    progress=False).summary)
+    runs["eager"] = _row(run_policy(RunSpec(trace, base, cost, slo), "eager", progress=False).summary)
     for b in budgets:
         spec = RunSpec(trace, base, cost, slo, overrides={"max_num_batched_tokens": str(b)})
         runs[f"sarathi-{b}"] = _row(run_policy(spec, "sarathi", progress=False).summary)
@@ -68,16 +70,16 @@ def main() -> int:
     slo = Slo(args.slo_ttft, args.slo_tpot)
     cells = []
     print("| GPU | trace | rate | best budget | its goodput | its TPOT p99 | adaptive goodput | TPOT p99 | "
-          "TTFT p50 (best / adaptive) | adaptive / best |\n|---|---|---|---|---|---|---|---|---|---|")
+          "TTFT p50 (best / adaptive / eager) | adaptive / best |\n|---|---|---|---|---|---|---|---|---|---|")
     for cm in args.cost_model or COST_MODELS:
         for tr in args.trace or TRACES:
             for rate in args.rate or RATES:
                 c = cell(cm, tr, rate, args.hours, budgets, slo, args.policy, overrides)
                 cells.append(c)
-                b, a = c["runs"][c["best"]], c["runs"][args.policy]
+                b, a, e = c["runs"][c["best"]], c["runs"][args.policy], c["runs"]["eager"]
                 print(f"| {cm.split('-')[0]} | {tr} | {rate}x | {c['best'].split('-')[1]} | {b['goodput_rps']} | "
                       f"{b['tpot_p99_ms']} | {a['goodput_rps']} | {a['tpot_p99_ms']} | "
-                      f"{b['ttft_p50_ms']} / {a['ttft_p50_ms']} | {c['ratio']} |", flush=True)
+                      f"{b['ttft_p50_ms']} / {a['ttft_p50_ms']} / {e['ttft_p50_ms']} | {c['ratio']} |", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(cells, indent=1))

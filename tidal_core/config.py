@@ -142,18 +142,19 @@ class StepSizingConfig:
     The step sizer aims at `headroom` x the target; a decode-only step may use `decode_share`
     of that aim (the running-batch cap). Each decode banks what its steps came in under the
     aim; a step may be as long as the aim plus the smallest bank of the decodes in it, at most
-    `max_bank_steps` aims. A decode younger than the `borrow_quantile` of measured output
-    lengths may borrow against its next tokens (0: never); when the oldest prompt has waited
-    `pressure_fraction` of the TTFT target, against the `pressure_quantile` instead. Off (`enabled=False`) or without a TPOT target, steps are bounded
-    only by the token budget.
+    `max_bank_steps` aims. A decode may borrow against the tokens it is still expected to
+    produce: the `borrow_quantile` of what finished requests produced past that point (0:
+    never); when the oldest prompt has waited `pressure_fraction` of the TTFT target, the
+    `pressure_quantile` instead. Off (`enabled=False`) or without a TPOT target, steps are
+    bounded only by the token budget.
     """
 
     enabled: bool = True
     headroom: float = 0.95
     decode_share: float = 0.9
     max_bank_steps: float = 50.0
-    borrow_quantile: float = 0.02
-    pressure_quantile: float = 0.1
+    borrow_quantile: float = 0.01
+    pressure_quantile: float = 0.05
     pressure_fraction: float = 0.5
 
     def __post_init__(self) -> None:

@@ -25,6 +25,7 @@ Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall cl
 from __future__ import annotations
 
 from tidal_core.load import LoadEstimator
+from tidal_core.request import Request
 
 
 class TtftPredictor:
@@ -47,6 +48,13 @@ class TtftPredictor:
             prefill_s = load.service.drain_time(backlog_tokens, num_decodes, max(1, per_step_tokens))
         slot_s = slots_short / load.departure_rate(now) if slots_short > 0 else 0.0
         return (prefill_s + slot_s) * (load.ttft_correction.factor(now) if corrected else 1.0)
+
+    def on_first_token(self, req: Request, now: float) -> None:
+        """`req` got its first token at `now`: stamp it, with the prediction's error."""
+        req.first_token_s = now
+        if req.raw_predicted_ttft_s is not None:
+            req.ttft_prediction_ratio = self.observe(now, req.raw_predicted_ttft_s, req.predicted_ttft_s,
+                                                     now - req.arrival_s)
 
     def observe(self, now: float, raw_predicted_s: float, predicted_s: float | None, measured_s: float) -> float | None:
         """A first token came `measured_s` after arrival. Returns predicted/measured (None if

@@ -11,12 +11,13 @@ Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall cl
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 
 from tidal_core.config import SchedulerConfig
 from tidal_core.decode_set import DecodeSet
 from tidal_core.kv_blocks import BlockManager
-from tidal_core.plan import NewRequestData
+from tidal_core.plan import NewRequestData, StepPlan
 from tidal_core.request import FinishReason, Request, RequestStatus
 
 
@@ -40,6 +41,11 @@ class UnitQueues:
     @property
     def num_running(self) -> int:
         return len(self.decodes.reqs) + len(self.prefilling)
+
+    def oldest_arrival_s(self) -> float:
+        """Arrival of the oldest request whose prompt is not computed yet (inf with none)."""
+        oldest = next(iter(self.prefilling.values())).arrival_s if self.prefilling else math.inf
+        return min(oldest, self.waiting[0].arrival_s) if self.waiting else oldest
 
     def enqueue(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -109,6 +115,41 @@ class UnitQueues:
                     del counts[t]
                 self.stop_set = frozenset(counts)
         self._forget_executor_state(rid)
+
+    @staticmethod
+    def hit_stop(req: Request, tok: int) -> bool:
+        return tok in req.stop_ids and len(req.output_token_ids) >= req.sampling.min_tokens
+
+    def stop_hits(self, sampled: dict[str, int]) -> list[Request]:
+        """Decodes whose sampled token ends them (a stop token, `min_tokens` reached)."""
+        stop_set, reqs = self.stop_set, self.decodes.reqs
+        if not stop_set:
+            return []
+        hits = (reqs.get(rid) for rid, tok in sampled.items() if tok in stop_set)
+        return [r for r in hits if r is not None and self.hit_stop(r, sampled[r.request_id])]
+
+    def complete_prefills(self, plan: StepPlan, sampled: dict[str, int]) -> tuple[int, list[Request]]:
+        """Apply a step's prefill chunks: returns the prompt tokens computed and the requests
+        whose prompt is now complete, out of `prefilling`, each with its sampled token."""
+        prefilling, scheduled = self.prefilling, plan.num_scheduled_tokens
+        computed, done = 0, []
+        for rid in plan.prefill_context:
+            req = prefilling.get(rid)
+            if req is None:  # aborted during the step
+                continue
+            n = scheduled[rid]
+            req.num_computed_tokens += n
+            computed += n
+            if req.num_computed_tokens < req.num_tokens:
+                continue
+            tok = sampled.get(rid)
+            if tok is None:
+                raise AssertionError(f"executor sampled no token for {rid} at the end of its prefill")
+            del prefilling[rid]
+            req.output_token_ids.append(tok)
+            done.append(req)
+        self.prefill_remaining -= computed
+        return computed, done
 
     def _forget_executor_state(self, rid: str) -> None:
         if rid in self.announced:

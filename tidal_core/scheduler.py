@@ -1,17 +1,12 @@
 """The Scheduler: one serving unit's continuous-batching policy, driven by any clock.
 
-Owns: the orchestration of one unit's policy objects, each in its own module:
-
-- `UnitQueues` (core/queues.py): where every request is, its KV blocks (single writer);
-- `BatchBuilder` (core/batch_builder.py): what a step holds - decode-first, chunked prefill;
-- `LaunchPolicy` (core/microwait.py): when new prefills launch - the micro-wait, baselines;
-- `StepSizer` (core/step_sizer.py): how big a step may be so decodes keep the TPOT target;
-- `TtftPredictor` (core/predictor.py): a new arrival's time to first token, and its error;
-- `AdmissionController` (core/admission.py): 429 before the SLO is lost;
-- `RegimeDetector` (core/regime.py), `LoadEstimator` (core/load.py), `CudaGraphBuckets`.
-
-The baselines (core/presets.py) are configurations of these same objects. Three calls make
-an engine step:
+Owns: the orchestration of one unit's policy objects, each in its own module: `UnitQueues`
+(queues.py: where every request is, its KV blocks), `BatchBuilder` (batch_builder.py: what a
+step holds, decode-first, chunked prefill), `LaunchPolicy` (microwait.py: when new prefills
+launch), `StepSizer` (step_sizer.py: how big a step may be for the TPOT target),
+`TtftPredictor` (predictor.py), `AdmissionController`, `RegimeDetector`, `LoadEstimator`,
+`CudaGraphBuckets`. The baselines (presets.py) are configurations of these same objects.
+Three calls make an engine step:
 
     decision = scheduler.schedule(now)                    # Run(plan) | WaitUntil(t) | Idle
     result = executor.execute(plan)                       # real model or simulated GPU
@@ -33,18 +28,7 @@ from tidal_core.budget import StepBudget
 from tidal_core.config import SchedulerConfig
 from tidal_core.load import LoadEstimator
 from tidal_core.microwait import LaunchPolicy
-from tidal_core.plan import (
-    Decision,
-    Idle,
-    NewRequestData,
-    Rejection,
-    Run,
-    StepOutputs,
-    StepPlan,
-    StepResult,
-    StepStats,
-    WaitUntil,
-)
+from tidal_core.plan import Decision, Idle, NewRequestData, Rejection, Run, StepOutputs, StepPlan, StepResult, WaitUntil
 from tidal_core.predictor import TtftPredictor
 from tidal_core.queues import UnitQueues
 from tidal_core.regime import Regime, RegimeDetector
@@ -78,6 +62,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.last_load = 0.0
         self._prefill_cap = config.max_prefill_tokens or math.inf
+        self._pressure_s = sizing.pressure_fraction * adm.target_ttft_s
         self._inflight: StepPlan | None = None
         self._aborted_inflight: set[str] = set()
         self._step_id = 0
@@ -128,13 +113,15 @@ class Scheduler:
         return self.predictor.predict(now, self.backlog_prefill_tokens() + own_prompt_tokens, n_dec, slots_short,
                                       self.config.max_num_batched_tokens - n_dec, corrected)
 
-    def unit_state(self, now: float, req: Request) -> UnitState:
+    def unit_state(self, now: float, req: Request, queue_delay_s: float | None = None) -> UnitState:
+        """What admission sees for `req`. Its predicted TTFT is the client's: the time it already
+        spent before reaching the unit (`arrival_s` is the front end's arrival, moved onto this
+        clock) plus the predicted delay here (`queue_delay_s`, else predicted now)."""
+        if queue_delay_s is None:
+            queue_delay_s = self.predicted_queue_delay_s(now, req.num_prompt_tokens)
         busy = bool(self.waiting) or bool(self.prefilling) or self.num_running >= self._running_cap
-        # The client's TTFT: what the request already spent before reaching the unit (its
-        # `arrival_s` is the front end's arrival, moved onto this clock) plus what is predicted here.
         return UnitState(len(self.waiting), len(self.decodes.reqs), self.blocks.usage(),
-                         max(0.0, now - req.arrival_s) + self.predicted_queue_delay_s(now, req.num_prompt_tokens),
-                         busy, self.regime.regime, len(self.requests))
+                         max(0.0, now - req.arrival_s) + queue_delay_s, busy, self.regime.regime, len(self.requests))
 
     # ---- arrivals and aborts -------------------------------------------------------------
     def add_request(self, req: Request, now: float) -> Rejection | None:
@@ -147,19 +134,16 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
         self.stats.num_arrived += 1
         self.load.on_arrival(now, req.num_prompt_tokens, req.sampling.max_tokens)
-        state = self.unit_state(now, req)
+        raw = self.predicted_queue_delay_s(now, req.num_prompt_tokens, corrected=False)
+        state = self.unit_state(now, req, raw * self.load.ttft_correction.factor(now))
         rejection = self.admission.check_length(req) or self.admission.check(req, state, self.load)
         if rejection is not None:
-            req.status = RequestStatus.REJECTED
-            req.finished_s = now
+            req.status, req.finished_s = RequestStatus.REJECTED, now
             self.stats.rejected[rejection.reason] += 1
             return rejection
-        req.queued_s = now
-        req.predicted_ttft_s = state.predicted_ttft_s
-        # The raw model's prediction (plus the time already spent in front of the unit, which the
-        # first token's measured TTFT holds too): its measured error is what the correction learns.
-        req.raw_predicted_ttft_s = max(0.0, now - req.arrival_s) + self.predicted_queue_delay_s(
-            now, req.num_prompt_tokens, corrected=False)
+        # Admission's prediction, and the raw model's (whose measured error trains the correction).
+        req.queued_s, req.predicted_ttft_s = now, state.predicted_ttft_s
+        req.raw_predicted_ttft_s = max(0.0, now - req.arrival_s) + raw
         self.q.enqueue(req)
         return None
 
@@ -200,14 +184,14 @@ class Scheduler:
         new_block_ids: dict[str, list[int]] = {}
         preempted = self.builder.grow_decodes(new_block_ids) if decodes.reqs else ()
         for victim in preempted:
-            self._on_preempted(victim)
+            self.stats.preempted["kv_exhausted"] += 1
+            if self.sizer is not None:
+                self.sizer.on_decode_end(victim.request_id)
         sched = decodes.ones.copy()
         n_dec = len(sched)
         budget.take_decodes(n_dec)
         wanted = budget.tokens_left
-        allowance = self._prefill_cap
-        if self.sizer is not None and (waiting or prefilling):
-            allowance = min(allowance, self.sizer.prefill_allowance(self.load.service, n_dec, self._ttft_pressure(now)))
+        allowance = self._prefill_allowance(now, n_dec) if waiting or prefilling else wanted
         if allowance < wanted:
             budget.tokens_left = int(max(0, allowance))
         self._had_backlog = bool(waiting) or bool(prefilling)
@@ -225,23 +209,20 @@ class Scheduler:
                 room = self._running_cap - self.num_running if self.sizer is not None else math.inf
                 prefill_tokens += self.builder.admit(now, budget, sched, prefill_ctx, new_reqs, room)
             elif not sched and decision.deadline_s is not None:
-                self.stats.num_waits += 1
-                self.stats.waits[decision.reason] += 1
-                self.stats.wait_s_total += max(0.0, decision.deadline_s - now)
+                self.stats.record_wait(decision.reason, max(0.0, decision.deadline_s - now))
                 return WaitUntil(decision.deadline_s, decision.reason)
         if not sched:
             raise AssertionError(f"nothing schedulable with {len(waiting)} waiting and {self.num_running} running")
         if budget.tokens_left <= 0 < wanted and allowance < wanted and (waiting or prefilling):
             self.stats.tpot_limited_steps += 1
-        padded = self.buckets.bucket_for(n_dec) if n_dec and not prefill_tokens else None
-        if not prefill_tokens:
-            self.buckets.record(n_dec, padded)
+        padded = self.buckets.pad_step(n_dec, prefill_tokens)
         self._step_id += 1
         plan = StepPlan(self._step_id, sched, prefill_ctx, new_reqs, new_block_ids, self.q.pending_finished,
                         n_dec, prefill_tokens, decodes.context_tokens, padded)
         self.q.pending_finished = []
         self._inflight = plan
-        self._record_step(plan, now, regime, load, wait_s, reason, len(preempted))
+        self.stats.record_step(plan, now, regime.value, load, wait_s, reason, len(preempted), len(waiting),
+                               self.num_running, self.blocks.usage())
         return Run(plan, reason)
 
     def on_step_done(self, plan: StepPlan, result: StepResult, now: float) -> StepOutputs:
@@ -273,9 +254,7 @@ class Scheduler:
 
     # ---- internals ------------------------------------------------------------------------
     def _observe(self, now: float) -> None:
-        """Refresh load and regime. Regime changes need a sustained signal (>= min_dwell_s), so
-        evaluating every OBSERVE_PERIOD_S instead of every step loses nothing and keeps the
-        per-step cost flat."""
+        """Refresh load and regime (a regime change needs a sustained signal anyway)."""
         self._next_observe_s = now + OBSERVE_PERIOD_S
         self.last_load = load = self.load.load(now)
         self.regime.update(now, load, self.predicted_queue_delay_s(now) / self.config.admission.target_ttft_s,
@@ -288,70 +267,40 @@ class Scheduler:
             self.load.batch_cap = cap
         self._running_cap = cap
 
-    def _ttft_pressure(self, now: float) -> bool:
-        """The oldest prompt not yet computed has waited `pressure_fraction` of the TTFT target."""
-        oldest = next(iter(self.prefilling.values())).arrival_s if self.prefilling else math.inf
-        if self.waiting:
-            oldest = min(oldest, self.waiting[0].arrival_s)
-        return now - oldest >= self.config.step_sizing.pressure_fraction * self.config.admission.target_ttft_s
-
-    def _on_preempted(self, req: Request) -> None:
-        self.stats.preempted["kv_exhausted"] += 1
-        if self.sizer is not None:
-            self.sizer.on_decode_end(req.request_id)
+    def _prefill_allowance(self, now: float, n_dec: int) -> float:
+        """Prefill tokens this step may hold: the step sizer's allowance (with TTFT pressure once
+        the oldest prompt not yet computed has waited `pressure_fraction` of the target) and
+        any prefill-token cap."""
+        if self.sizer is None:
+            return self._prefill_cap
+        pressure = now - self.q.oldest_arrival_s() >= self._pressure_s
+        return min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, n_dec, pressure))
 
     def _finish_decodes(self, sampled: dict[str, int], now: float, finished: list[Request]) -> None:
-        decodes = self.decodes
-        stop_set = self.q.stop_set
-        if stop_set:
-            hits = [rid for rid, tok in sampled.items() if tok in stop_set]
-            for rid in hits:
-                req = decodes.reqs.get(rid)
-                if req is not None and self._hit_stop(req, sampled[rid]):
-                    self._finish(req, FinishReason.STOP, now, finished)
-        for req in decodes.due_by_length():
+        for req in self.q.stop_hits(sampled):
+            self._finish(req, FinishReason.STOP, now, finished)
+        for req in self.decodes.due_by_length():
             self._finish(req, FinishReason.LENGTH, now, finished)
 
     def _advance_prefills(self, plan: StepPlan, sampled: dict[str, int], now: float,
                           finished: list[Request]) -> list[str]:
-        first: list[str] = []
-        q, prefilling, sizer = self.q, self.prefilling, self.sizer
-        scheduled = plan.num_scheduled_tokens
-        for rid in plan.prefill_context:
-            req = prefilling.get(rid)
-            if req is None:  # aborted during the step
-                continue
-            n = scheduled[rid]
-            req.num_computed_tokens += n
-            q.prefill_remaining -= n
-            self.stats.num_prompt_tokens_computed += n
-            if req.num_computed_tokens < req.num_tokens:
-                continue
-            tok = sampled.get(rid)
-            if tok is None:
-                raise AssertionError(f"executor sampled no token for {rid} at the end of its prefill")
-            del prefilling[rid]
-            req.output_token_ids.append(tok)
-            self.stats.num_generated_tokens += 1
+        computed, done = self.q.complete_prefills(plan, sampled)
+        stats, sizer, first = self.stats, self.sizer, []
+        stats.num_prompt_tokens_computed += computed
+        stats.num_generated_tokens += len(done)
+        for req in done:
             if req.first_token_s is None:
-                req.first_token_s = now
-                first.append(rid)
-                if req.raw_predicted_ttft_s is not None:
-                    req.ttft_prediction_ratio = self.predictor.observe(now, req.raw_predicted_ttft_s,
-                                                                       req.predicted_ttft_s, now - req.arrival_s)
-            if self._hit_stop(req, tok):
+                self.predictor.on_first_token(req, now)
+                first.append(req.request_id)
+            if self.q.hit_stop(req, req.output_token_ids[-1]):
                 self._finish(req, FinishReason.STOP, now, finished)
             elif len(req.output_token_ids) >= self.decodes.length_limit(req):
                 self._finish(req, FinishReason.LENGTH, now, finished)
             else:
                 self.decodes.add(req)
                 if sizer is not None:
-                    sizer.on_decode_start(rid)
+                    sizer.on_decode_start(req.request_id)
         return first
-
-    @staticmethod
-    def _hit_stop(req: Request, tok: int) -> bool:
-        return tok in req.stop_ids and len(req.output_token_ids) >= req.sampling.min_tokens
 
     def _finish(self, req: Request, reason: FinishReason, now: float, finished: list[Request] | None) -> None:
         self.q.remove(req, reason, now)
@@ -364,17 +313,6 @@ class Scheduler:
         self.stats.finished[reason.value] += 1
         if finished is not None:
             finished.append(req)
-
-    def _record_step(self, plan: StepPlan, now: float, regime: Regime, load: float, wait_s: float,
-                     reason: str, num_preempted: int) -> None:
-        stats = self.stats
-        stats.num_steps += 1
-        stats.dispatch[reason] += 1
-        stats.last_step = StepStats(now, plan.step_id, len(plan.num_scheduled_tokens), plan.num_decode_seqs +
-                                    plan.num_prefill_tokens, plan.num_decode_seqs, plan.num_prefill_tokens,
-                                    len(plan.new_requests), plan.padded_batch_size, len(self.waiting),
-                                    self.num_running, self.blocks.usage(), regime.value,
-                                    load, wait_s, reason, num_preempted)
 
     def check_integrity(self) -> None:
         """Every invariant the scheduler relies on; tests call it after every operation."""

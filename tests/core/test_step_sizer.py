@@ -8,7 +8,7 @@ import pytest
 
 from tidal_core import ServicePrior, StepSizingConfig
 from tidal_core.load import ServiceModel
-from tidal_core.step_sizer import UNLIMITED, StepSizer
+from tidal_core.step_sizer import UNLIMITED, StepSizer, remaining_quantiles
 
 # 20 ms per step, 1 ms per decode, 0.1 ms per prefill token, no fixed prefill cost.
 SVC = ServiceModel(ServicePrior(step_overhead_s=0.020, prefill_s_per_token=0.0001, decode_s_per_seq=0.001,
@@ -83,10 +83,23 @@ def test_the_batch_cap_leaves_room_under_the_aim() -> None:
     assert StepSizer(CFG, 0.01).max_running(SVC) == 1  # never below one
 
 
-def test_the_heap_does_not_grow_with_churn() -> None:
-    sizer = StepSizer(CFG, 0.1, now=0.0)
-    for i in range(10_000):
-        sizer.on_decode_start(f"r{i}")
-        sizer.on_decode_end(f"r{i}")
-        sizer.on_step_done(0.01 * (i + 1), 1)
-    assert len(sizer._heap) <= 2 * len(sizer._start) + 65
+def test_borrow_tables_read_what_requests_went_on_to_produce() -> None:
+    # outputs of 2, 11 and 101 tokens decode 1, 10 and 100 tokens after their first one
+    table = remaining_quantiles([2, 11, 101], 0.0)
+    assert table[0] == 1 and table[1] == 9 and table[10] == 90 and len(table) == 100
+    assert remaining_quantiles([], 0.1) == ()
+
+
+def test_a_young_decode_borrows_against_what_requests_like_it_produce() -> None:
+    sizer = StepSizer(StepSizingConfig(headroom=1.0, borrow_quantile=0.01, pressure_quantile=0.5), 0.1)
+    for _ in range(16):
+        sizer.on_finished(11)  # every request decodes 10 tokens after its first
+    sizer.on_decode_start("a")
+    # gain per decode-only step: 100 - 21 = 79 ms; 10 tokens to repay: 790 ms of credit,
+    # so the step may hold (21 + 790 - 21) ms of prefill = 7900 tokens.
+    assert sizer.prefill_allowance(SVC, 1) == pytest.approx(7900, abs=2)
+    now = 0.0
+    for _ in range(9):  # nine short steps later, one token left to borrow against
+        now += 0.021
+        sizer.on_step_done(now, 1)
+    assert sizer.prefill_allowance(SVC, 1) == pytest.approx((9 * 0.079 + 0.079) / 0.0001, abs=2)
