@@ -73,7 +73,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     jobs = []
     for cell in cells:
         path = out / "cells" / f"{cell.key}.json"
-        if path.exists() and not args.fresh:
+        if args.report_only or (path.exists() and not args.fresh):
             continue
         fams = families + (ablations if cell.rate in args.ablation_rates else [])
         jobs.append((cell, fams, slos, window, retries, str(path)))
@@ -142,6 +142,7 @@ def register(sub: Any) -> None:
     p.add_argument("--ablation-rates", type=float, nargs="+", default=[1.0], help="rates whose cells run ablations")
     p.add_argument("--jobs", type=int, default=1, help="processes (default 1: one cell at a time)")
     p.add_argument("--fresh", action="store_true", help="rerun cells already written")
+    p.add_argument("--report-only", action="store_true", help="run nothing: the report from the cells written")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=run_sweep)
