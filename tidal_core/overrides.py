@@ -69,27 +69,43 @@ def _types_of(cls: type) -> dict[str, tuple[Any, ...]]:
     return out
 
 
-def _apply(obj: Any, path: list[str], text: str, key: str) -> Any:
+def _apply(obj: Any, changes: dict[str, Any], prefix: str) -> Any:
+    """`obj` with `changes` ({field: text, or {nested field: ...}}), one `replace` per level so
+    the config validates the combination, not each value in turn."""
     fields = {f.name for f in dataclasses.fields(obj)}
-    head = path[0]
-    if head not in fields:
-        raise ValueError(f"--set {key}: {type(obj).__name__} has no field {head!r}; known: {', '.join(sorted(fields))}")
-    current = getattr(obj, head)
-    if len(path) > 1:
-        if not dataclasses.is_dataclass(current):
-            raise ValueError(f"--set {key}: {head!r} is a plain value, not a group of fields")
-        return dataclasses.replace(obj, **{head: _apply(current, path[1:], text, key)})
-    if dataclasses.is_dataclass(current):
-        raise ValueError(f"--set {key}: {head!r} is a group; set one of its fields, e.g. {head}."
-                         f"{dataclasses.fields(current)[0].name}=...")
-    return dataclasses.replace(obj, **{head: _parse(text, _types_of(type(obj))[head], key)})
+    values: dict[str, Any] = {}
+    for head, change in changes.items():
+        key = prefix + head
+        if head not in fields:
+            raise ValueError(f"--set {key}: {type(obj).__name__} has no field {head!r}; "
+                             f"known: {', '.join(sorted(fields))}")
+        current = getattr(obj, head)
+        if isinstance(change, dict):
+            if not dataclasses.is_dataclass(current):
+                raise ValueError(f"--set {key}.{next(iter(change))}: {head!r} is a plain value, not a group of fields")
+            values[head] = _apply(current, change, key + ".")
+        elif dataclasses.is_dataclass(current):
+            raise ValueError(f"--set {key}: {head!r} is a group; set one of its fields, e.g. {head}."
+                             f"{dataclasses.fields(current)[0].name}=...")
+        else:
+            values[head] = _parse(change, _types_of(type(obj))[head], key)
+    return dataclasses.replace(obj, **values)
 
 
 def apply_overrides(config: SchedulerConfig, overrides: Mapping[str, str]) -> SchedulerConfig:
-    """`config` with each dotted `key` set to `value` (parsed by the field's type), in order."""
+    """`config` with each dotted `key` set to `value` (parsed by the field's type)."""
+    tree: dict[str, Any] = {}
     for key, text in overrides.items():
-        config = _apply(config, key.split("."), text, key)
-    return config
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"--set {key}: {part!r} is set as a value and as a group")
+            node = child
+        node[leaf] = text
+    result: SchedulerConfig = _apply(config, tree, "")
+    return result
 
 
 def parse_pairs(pairs: list[str]) -> dict[str, str]:

@@ -269,12 +269,13 @@ class Scheduler:
 
     def _prefill_allowance(self, now: float, n_dec: int) -> float:
         """Prefill tokens this step may hold: the step sizer's allowance (with TTFT pressure once
-        the oldest prompt not yet computed has waited `pressure_fraction` of the target) and
-        any prefill-token cap."""
+        the oldest prompt not yet computed has waited `pressure_fraction` of the target; no
+        borrowing in OVERLOAD) and any prefill-token cap."""
         if self.sizer is None:
             return self._prefill_cap
         pressure = now - self.q.oldest_arrival_s() >= self._pressure_s
-        return min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, n_dec, pressure))
+        strict = self.regime.regime is Regime.OVERLOAD
+        return min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, n_dec, pressure, strict))
 
     def _finish_decodes(self, sampled: dict[str, int], now: float, finished: list[Request]) -> None:
         for req in self.q.stop_hits(sampled):

@@ -17,7 +17,8 @@ learned step-time model (core/load.py, `ServiceModel`) and one account per decod
   many more tokens requests that reached `k` tokens went on to produce, read from the output
   lengths of recently finished requests (a table by `k`, refreshed every 64 finishes; 1, no
   borrowing, until 16 requests have finished). When the oldest prompt has waited
-  `pressure_fraction` of the TTFT target, the `pressure_quantile` table is used instead.
+  `pressure_fraction` of the TTFT target, the `pressure_quantile` table is used instead; in
+  OVERLOAD (`strict`) nothing is borrowed: a full batch pays for every long step.
   Only a request that ends before repaying can miss the aim, about that quantile of them;
 - **prefill allowance**: the step may last the smallest such limit over the running decodes
   (banks capped at `max_bank_steps` aims): prefill tokens worth that, less the decode part
@@ -94,15 +95,18 @@ class StepSizer:
         room = self.config.decode_share * self.aim_s - svc.overhead_s
         return max(1, int(room / per_seq))
 
-    def prefill_allowance(self, svc: ServiceModel, num_decodes: int, pressure: bool = False) -> int:
+    def prefill_allowance(self, svc: ServiceModel, num_decodes: int, pressure: bool = False,
+                          strict: bool = False) -> int:
         """Prefill tokens this step may hold next to `num_decodes` running decodes; with
-        `pressure` (a prompt's TTFT is at risk) decodes borrow against the pressure table."""
+        `pressure` (a prompt's TTFT is at risk) decodes borrow against the pressure table,
+        `strict` (OVERLOAD: a full batch pays for every long step) they borrow nothing."""
         if num_decodes == 0 or not self._start:
             return UNLIMITED
         aim = self.aim_s
         decode_s = svc.step_time(0, num_decodes)
         gain = max(0.0, aim - decode_s)
-        credit = self._min_credit(gain, self.pressure if pressure else self.borrow)
+        table = _NO_BORROW if strict else self.pressure if pressure else self.borrow
+        credit = self._min_credit(gain, table)
         step_s = decode_s + min(credit, self.config.max_bank_steps * aim + gain)
         avail = step_s - decode_s - svc.prefill_step_s
         return int(avail / svc.prefill_s_per_token) if avail > 0.0 else 0

@@ -103,3 +103,15 @@ def test_a_young_decode_borrows_against_what_requests_like_it_produce() -> None:
         now += 0.021
         sizer.on_step_done(now, 1)
     assert sizer.prefill_allowance(SVC, 1) == pytest.approx((9 * 0.079 + 0.079) / 0.0001, abs=2)
+
+
+def test_pressure_borrows_more_and_strict_borrows_nothing() -> None:
+    sizer = StepSizer(StepSizingConfig(headroom=1.0, borrow_quantile=0.01, pressure_quantile=0.6), 0.1)
+    for n in range(16):
+        sizer.on_finished(2 if n < 8 else 21)  # half decode 1 token after the first, half 20
+    sizer.on_decode_start("a")
+    normal = sizer.prefill_allowance(SVC, 1)
+    pressed = sizer.prefill_allowance(SVC, 1, pressure=True)
+    strict = sizer.prefill_allowance(SVC, 1, pressure=True, strict=True)
+    assert strict == 790 == normal  # the 1% quantile is the 1-token request: nothing to borrow
+    assert pressed == pytest.approx(20 * 790, abs=2)  # the 60% quantile decodes 20 more tokens
