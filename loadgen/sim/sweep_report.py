@@ -122,9 +122,16 @@ def prediction_rows(results: Sequence[dict[str, Any]], slo: str) -> list[dict[st
         ad = res["variants"].get("adaptive")
         if ad is None:
             continue
-        p = ad["runs"][ad["slo"][slo]["run"]]["prediction"]
-        rows.append({**_cell_label(res), "n": p["n"], "p10": p["p10"], "p50": p["p50"], "p90": p["p90"]})
+        judged = ad["slo"][slo]
+        p = ad["runs"][judged["run"]]["prediction"]
+        good = round(judged["goodput_rps"] * res["duration_s"])
+        missed = (judged["completed"] - good) / judged["completed"] if judged["completed"] else None
+        rows.append({**_cell_label(res), "n": p["n"], "p10": p["p10"], "p50": p["p50"], "p90": p["p90"],
+                     "admitted_missed_slo": None if missed is None else round(missed, 3)})
     return rows
+
+
+PREDICTION_COLUMNS = ("trace", "rate", "gpu", "n", "p10", "p50", "p90", "admitted_missed_slo")
 
 
 def ablation_rows(results: Sequence[dict[str, Any]], slo: str) -> list[dict[str, Any]]:
@@ -176,8 +183,7 @@ def report_markdown(results: Sequence[dict[str, Any]], slos: dict[str, Any], hea
                      "requests; `retry_after_admit_rate` = retries sent at the server's Retry-After that got in.\n\n"
                      + markdown_table([r for r in retries if r["policy"] == "adaptive"], RETRY_COLUMNS))
         parts.append(f"### TTFT prediction error (adaptive: predicted / measured TTFT of completed requests), "
-                     f"SLO {name}\n\n" + markdown_table(prediction_rows(results, name),
-                                                        ["trace", "rate", "gpu", "n", "p10", "p50", "p90"]))
+                     f"SLO {name}\n\n" + markdown_table(prediction_rows(results, name), PREDICTION_COLUMNS))
         abl = ablation_rows(results, name)
         if abl:
             parts.append(f"### Ablations (goodput / adaptive's), SLO {name}\n\n{markdown_table(abl, list(abl[0]))}")
