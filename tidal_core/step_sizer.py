@@ -112,18 +112,11 @@ class StepSizer:
         return int(avail / svc.prefill_s_per_token) if avail > 0.0 else 0
 
     def _min_credit(self, gain: float, table: tuple[int, ...]) -> float:
-        """min over running decodes of `bank + gain x max(1, m(k))`."""
-        account, steps, size = self.account_s, self.decode_steps, len(table)
-        low = math.inf
+        """min over running decodes of `bank + gain x max(1, m(k))` (every `m` in a table is >= 1)."""
+        account, steps, size, entries = self.account_s, self.decode_steps, len(table), self._start.values()
         if not size:
-            return account - max(start for start, _ in self._start.values()) + gain
-        for start, at in self._start.values():
-            k = steps - at
-            m = table[k] if k < size else 1
-            credit = account - start + gain * (m if m > 1 else 1)
-            if credit < low:
-                low = credit
-        return low
+            return account - max(start for start, _ in entries) + gain
+        return account - max([start - gain * (table[steps - at] if steps - at < size else 1) for start, at in entries])
 
     def min_bank_s(self) -> float:
         """The smallest bank among running decodes (inf with none)."""
