@@ -82,7 +82,8 @@ class AdmissionController:
                                 f"{state.num_waiting} requests are already queued (limit {cfg.max_queue_len})")
         ttft = state.predicted_ttft_s
         # Past capacity every admitted request beyond the target would miss it; below capacity
-        # a burst drains, so only `burst_factor` x the target is refused. A request nothing is
+        # a burst may be let queue up to `burst_factor` x the target (default 1: the prediction
+        # is calibrated, so a request predicted past the target misses it). A request nothing is
         # ahead of is always admitted: no unit could serve it sooner.
         limit = cfg.target_ttft_s if state.regime is Regime.OVERLOAD else cfg.burst_factor * cfg.target_ttft_s
         if state.work_ahead and ttft > limit:

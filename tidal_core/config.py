@@ -112,7 +112,7 @@ class AdmissionConfig:
     max_queue_len: int = 1024
     target_ttft_s: float = 1.0
     target_tpot_s: float | None = None
-    burst_factor: float = 2.0
+    burst_factor: float = 1.0
     kv_reject_usage: float = 0.98
     min_retry_after_s: float = 1.0
     max_retry_after_s: float = 60.0
