@@ -6,13 +6,11 @@ step holds, decode-first, chunked prefill), `LaunchPolicy` (microwait.py: when n
 launch), `StepSizer` (step_sizer.py: how big a step may be for the TPOT target),
 `TtftPredictor` (predictor.py), `AdmissionController`, `RegimeDetector`, `LoadEstimator`,
 `CudaGraphBuckets`. The baselines (presets.py) are configurations of these same objects.
-Three calls make an engine step:
+Three calls make an engine step, besides `add_request` (admission may answer `Rejection`) and `abort`:
 
     decision = scheduler.schedule(now)                    # Run(plan) | WaitUntil(t) | Idle
     result = executor.execute(plan)                       # real model or simulated GPU
     outputs = scheduler.on_step_done(plan, result, now)   # tokens, first tokens, finishes
-
-plus `add_request` (admission control may answer with a `Rejection`) and `abort`.
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """
@@ -46,9 +44,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, now: float = 0.0) -> None:
         self.config = config
         self.q = UnitQueues(config)
-        self.blocks, self.decodes, self.waiting, self.prefilling = (self.q.blocks, self.q.decodes, self.q.waiting,
-                                                                    self.q.prefilling)
-        self.requests = self.q.requests
+        q = self.q
+        self.blocks, self.decodes, self.waiting, self.prefilling, self.requests = (q.blocks, q.decodes, q.waiting,
+                                                                                   q.prefilling, q.requests)
         self.builder = BatchBuilder(config, self.q)
         self.buckets = CudaGraphBuckets(config.cuda_graph_buckets)
         self.load = LoadEstimator(config.load_tau_s, config.service_prior, config.max_batch_size,
@@ -72,7 +70,6 @@ class Scheduler:
         self._running_cap = config.max_batch_size
         self._refresh_running_cap()
 
-    # ---- queries ------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -114,22 +111,17 @@ class Scheduler:
                                       self.config.max_num_batched_tokens - n_dec, corrected)
 
     def unit_state(self, now: float, req: Request, queue_delay_s: float | None = None) -> UnitState:
-        """What admission sees for `req`. Its predicted TTFT is the client's: the time it already
-        spent before reaching the unit (`arrival_s` is the front end's arrival, moved onto this
-        clock) plus the predicted delay here (`queue_delay_s`, else predicted now)."""
+        """What admission sees for `req`; its predicted TTFT is the client's: time spent before the
+        unit (`arrival_s` is the front end's arrival) plus `queue_delay_s` (else predicted now)."""
         if queue_delay_s is None:
             queue_delay_s = self.predicted_queue_delay_s(now, req.num_prompt_tokens)
         busy = bool(self.waiting) or bool(self.prefilling) or self.num_running >= self._running_cap
         return UnitState(len(self.waiting), len(self.decodes.reqs), self.blocks.usage(),
                          max(0.0, now - req.arrival_s) + queue_delay_s, busy, self.regime.regime, len(self.requests))
 
-    # ---- arrivals and aborts -------------------------------------------------------------
     def add_request(self, req: Request, now: float) -> Rejection | None:
-        """Queue a request, or return why admission control turned it away.
-
-        `req.arrival_s` is when the client sent it (the front end's clock, moved onto this
-        one): admission judges the client's TTFT from it. `now` is when this unit got it: the
-        micro-wait counts from there (`req.queued_s`)."""
+        """Queue a request, or return why admission control turned it away. Admission judges the
+        client's TTFT from `req.arrival_s`; the micro-wait counts from `now` (`req.queued_s`)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
         self.stats.num_arrived += 1
@@ -161,16 +153,12 @@ class Scheduler:
         """End every request (the executor died). The caller reports the error to clients."""
         return [r for rid in list(self.requests) if (r := self.abort(rid, now)) is not None]
 
-    # ---- one step -----------------------------------------------------------------------
     def schedule(self, now: float) -> Decision:
-        """Decide the next step at `now`: `Run(plan)`, `WaitUntil(deadline)` (a launch policy
-        holds new prefills and nothing else can run) or `Idle` (no live request).
-
-        The step holds every running decode, then unfinished prefill chunks, then new requests
-        when the launch policy admits them, within `max_num_batched_tokens` tokens and
-        `max_batch_size` sequences, less the step sizer's prefill allowance and running-batch
-        cap. Exactly one plan is in flight: `on_step_done` must follow before the next call.
-        """
+        """Decide the next step at `now`: `Run(plan)`, `WaitUntil(deadline)` (the launch policy
+        holds new prefills and nothing else can run) or `Idle` (no live request). The step holds
+        every running decode, then unfinished chunks, then new requests when the launch policy
+        admits them, within the token and sequence budget less the step sizer's prefill allowance
+        and running-batch cap. One plan is in flight: `on_step_done` must come before the next."""
         if self._inflight is not None:
             raise RuntimeError(f"step {self._inflight.step_id} is still in flight; call on_step_done first")
         decodes, waiting, prefilling = self.decodes, self.waiting, self.prefilling
@@ -244,15 +232,16 @@ class Scheduler:
             sampled = {rid: tok for rid, tok in sampled.items() if rid not in aborted}
             aborted.clear()
         finished: list[Request] = []
-        decodes = self.decodes
-        if decodes.reqs:
+        if (decodes := self.decodes).reqs:
             decodes.append_tokens(sampled)
             self.stats.num_generated_tokens += len(decodes.reqs)
-            self._finish_decodes(sampled, now, finished)
+            for req in self.q.stop_hits(sampled):
+                self._finish(req, FinishReason.STOP, now, finished)
+            for req in decodes.due_by_length():
+                self._finish(req, FinishReason.LENGTH, now, finished)
         first = self._advance_prefills(plan, sampled, now, finished)
         return StepOutputs(sampled, first, finished, result.logprobs)
 
-    # ---- internals ------------------------------------------------------------------------
     def _observe(self, now: float) -> None:
         """Refresh load and regime (a regime change needs a sustained signal anyway)."""
         self._next_observe_s = now + OBSERVE_PERIOD_S
@@ -268,20 +257,12 @@ class Scheduler:
         self._running_cap = cap
 
     def _prefill_allowance(self, now: float, n_dec: int) -> float:
-        """Prefill tokens this step may hold: the step sizer's allowance (with TTFT pressure once
-        the oldest prompt not yet computed has waited `pressure_fraction` of the target; no
-        borrowing in OVERLOAD) and any prefill-token cap."""
+        """The step sizer's prefill allowance (TTFT pressure once the oldest prompt waited
+        `pressure_fraction` of the target; no borrowing in OVERLOAD), within any prefill cap."""
         if self.sizer is None:
             return self._prefill_cap
-        pressure = now - self.q.oldest_arrival_s() >= self._pressure_s
-        strict = self.regime.regime is Regime.OVERLOAD
+        pressure, strict = now - self.q.oldest_arrival_s() >= self._pressure_s, self.regime.regime is Regime.OVERLOAD
         return min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, n_dec, pressure, strict))
-
-    def _finish_decodes(self, sampled: dict[str, int], now: float, finished: list[Request]) -> None:
-        for req in self.q.stop_hits(sampled):
-            self._finish(req, FinishReason.STOP, now, finished)
-        for req in self.decodes.due_by_length():
-            self._finish(req, FinishReason.LENGTH, now, finished)
 
     def _advance_prefills(self, plan: StepPlan, sampled: dict[str, int], now: float,
                           finished: list[Request]) -> list[str]:
@@ -305,12 +286,11 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason, now: float, finished: list[Request] | None) -> None:
         self.q.remove(req, reason, now)
-        if self.sizer is not None:
-            self.sizer.on_decode_end(req.request_id)
-        if reason is not FinishReason.ABORT:
+        done = reason is not FinishReason.ABORT
+        if done:
             self.load.on_finish(now, len(req.output_token_ids))
-            if self.sizer is not None:
-                self.sizer.on_finished(len(req.output_token_ids))
+        if self.sizer is not None:
+            self.sizer.on_request_end(req.request_id, len(req.output_token_ids) if done else None)
         self.stats.finished[reason.value] += 1
         if finished is not None:
             finished.append(req)

@@ -138,6 +138,12 @@ class StepSizer:
         """`rid` stopped decoding (finished, aborted or preempted)."""
         self._start.pop(rid, None)
 
+    def on_request_end(self, rid: str, num_output_tokens: int | None) -> None:
+        """`rid` ended: finished with `num_output_tokens`, or aborted (None)."""
+        self.on_decode_end(rid)
+        if num_output_tokens is not None:
+            self.on_finished(num_output_tokens)
+
     def on_finished(self, num_output_tokens: int) -> None:
         """A request ended with `num_output_tokens`: the borrow tables learn output lengths."""
         lengths = self._lengths
