@@ -30,10 +30,12 @@ def parse_duration(text: str) -> float:
 
 def register(sub: Any) -> None:
     from loadgen.sim import cli as sim_cli  # here, not at the top: it loads tidal_core
+    from loadgen.sim import sweep_cli
 
     _register_replay(sub)
     _register_compare(sub)
     sim_cli.register(sub)
+    sweep_cli.register(sub)
 
 
 def _register_replay(sub: Any) -> None:
@@ -66,6 +68,9 @@ def _register_replay(sub: Any) -> None:
     p.add_argument("--api-key", default=None, help="bearer token, if the server wants one")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--retries", type=int, default=2,
+                   help="retry a 429/5xx as the openai client does: this many times (its default 2), waiting the "
+                        "server's Retry-After, else 0.5 s x 2^n backoff; 0 sends each request once")
     p.set_defaults(func=run_replay)
 
 
@@ -92,6 +97,7 @@ def run_replay(args: argparse.Namespace) -> int:
     from loadgen.client import DEFAULT_WORDS_PER_TOKEN, ClientConfig, discover_model, make_http_client
     from loadgen.replay import ReplayConfig, replay
     from loadgen.report import markdown_table
+    from loadgen.retry_policy import RetryPolicy
 
     try:
         trace = _load(args)
@@ -109,7 +115,8 @@ def run_replay(args: argparse.Namespace) -> int:
                               max_connections=args.max_connections, api_key=args.api_key)
         config = ReplayConfig(run_name=args.name, time_scale=args.time_scale, duration_s=args.duration,
                               drain_timeout_s=args.drain_timeout, slo=Slo(args.slo_ttft, args.slo_tpot),
-                              gpus=args.gpus, progress=not args.no_progress, plots=not args.no_plots)
+                              gpus=args.gpus, progress=not args.no_progress, plots=not args.no_plots,
+                              retries=RetryPolicy(max_retries=args.retries) if args.retries > 0 else None)
     except (TypeError, ValueError, KeyError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -127,6 +134,10 @@ def run_replay(args: argparse.Namespace) -> int:
     d = s["drift"]
     print(f"send drift (on the wire minus scheduled): p50 {d['p50_ms']} ms, p99 {d['p99_ms']} ms, "
           f"max {d['max_ms']} ms; {d['over_50ms']} requests over 50 ms")
+    r = s.get("retries")
+    if r:
+        print(f"retries: {r['retries_sent']} sent ({r['retries_admitted']} admitted), load amplification "
+              f"{r['amplification']}, goodput as the user waited (from the first send) {s['client_goodput_rps']} rps")
     print(f"results in {report.out_dir}/ (requests.jsonl, summary.json, per_hour.json, plots)")
     return 130 if report.interrupted else 0
 

@@ -100,6 +100,10 @@ class RequestResult:
     usage_reported: bool = False
     retry_after_s: float | None = None
     error: str | None = None
+    # With retries (loadgen/replay_retries.py): the fields above are the last attempt's.
+    attempts: int = 1
+    first_sent_t: float = float("nan")
+    retries: list[tuple[float, bool]] = field(default_factory=list)  # (delay s, at the server's Retry-After)
 
     def inter_token_ms(self) -> list[float]:
         return [(b - a) * 1000.0 for a, b in zip(self.chunk_t, self.chunk_t[1:], strict=False)]

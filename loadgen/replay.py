@@ -26,6 +26,7 @@ import dataclasses
 import datetime as dt
 import functools
 import math
+import random
 import resource
 import signal
 import time
@@ -42,7 +43,9 @@ from loadgen.progress import LiveStats, ProgressBar
 from loadgen.prompts import build_prompt
 from loadgen.records import Trace
 from loadgen.replay_results import Recorder, write_outputs
+from loadgen.replay_retries import send_with_retries
 from loadgen.report import Slo
+from loadgen.retry_policy import RetryPolicy
 
 PROGRESS_EVERY_S = 0.5
 PEAK_WINDOW_S = 10.0
@@ -62,6 +65,7 @@ class ReplayConfig:
     pool_shards: int | None = None  # httpx clients to spread connections over; None: from the trace
     progress: bool = True
     plots: bool = True
+    retries: RetryPolicy | None = None  # retry refusals as the openai client does (`tidal replay` default)
 
     def __post_init__(self) -> None:
         if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
@@ -168,16 +172,22 @@ class _InFlight:
     """The requests of one replay between launch and record: launch on schedule, record when done."""
 
     def __init__(self, trace: Trace, client_config: ClientConfig, clients: HttpClients, rec: Recorder,
-                 stats: LiveStats) -> None:
+                 stats: LiveStats, retries: RetryPolicy | None = None) -> None:
         self.trace, self.client_config, self.clients, self.rec, self.stats = trace, client_config, clients, rec, stats
+        self.retries = retries
         self.tasks: dict[int, tuple[asyncio.Task[RequestResult], RequestResult]] = {}
 
     def launch(self, i: int) -> None:
         now = time.perf_counter()
         spec = _spec(self.trace, i)
         result = RequestResult(i, spec.input_tokens)
-        coro: Coroutine[Any, Any, RequestResult] = send_request(self.clients.for_request(i), self.client_config,
-                                                                spec, result=result)
+        client = self.clients.for_request(i)
+        coro: Coroutine[Any, Any, RequestResult]
+        if self.retries is None:
+            coro = send_request(client, self.client_config, spec, result=result)
+        else:  # each request's jitter from its own seeded stream: the same trace retries the same way
+            rng = random.Random(self.client_config.seed * 1_000_003 + i)
+            coro = send_with_retries(client, self.client_config, spec, self.retries, rng, result)
         task = asyncio.create_task(coro)
         self.tasks[i] = (task, result)
         self.stats.on_sent(now - self.rec.start_t, self.rec.on_launch(i, now))
@@ -230,7 +240,7 @@ async def replay_async(trace: Trace, client_config: ClientConfig, config: Replay
         await _warm_up(clients.for_request(0), client_config.base_url)
         started_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         rec = Recorder(trace, out / "requests.jsonl", time.perf_counter(), config.time_scale)
-        flight = _InFlight(trace, client_config, clients, rec, stats)
+        flight = _InFlight(trace, client_config, clients, rec, stats, config.retries)
         undo = _on_interrupt(stop)
         shower = asyncio.create_task(_show_progress(bar, stats, rec.start_t))
         dispatcher = asyncio.create_task(_dispatch(trace, rec.start_t, flight.launch))
@@ -251,7 +261,8 @@ async def replay_async(trace: Trace, client_config: ClientConfig, config: Replay
                         "started_at": started_at, "wall_s": round(wall_s, 3), "time_scale": config.time_scale,
                         "duration_s": config.duration_s, "drain_timeout_s": config.drain_timeout_s,
                         "requests_file": "requests.jsonl", "time_unit": "wall seconds from the run start",
-                        "slo": asdict(config.slo)}}
+                        "slo": asdict(config.slo),
+                        "retries": asdict(config.retries) if config.retries is not None else None}}
     summary = write_outputs(out, config.run_name, rec, slo=config.slo, duration_s=trace.duration_s,
                             time_scale=config.time_scale, gpus=config.gpus, extra=extra, plot=config.plots)
     drift_p99 = summary["drift"]["p99_ms"]

@@ -18,6 +18,7 @@ Must not import serve_app, actors, ray or torch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -65,6 +66,8 @@ class Recorder:
         self.drift = np.full(n, np.nan)  # on the wire minus scheduled
         self.dispatch_drift = np.full(n, np.nan)  # task started minus scheduled (event-loop lateness)
         self.num_recorded = 0
+        self.retry_lag = np.zeros(n)  # last attempt's send minus the first send (0 without retries)
+        self.retry_rows: list[dict[str, Any]] = []
         requests_path.parent.mkdir(parents=True, exist_ok=True)
         self._file: IO[str] = requests_path.open("w", encoding="utf-8")
 
@@ -79,20 +82,26 @@ class Recorder:
         i, t0 = res.index, self.start_t
         scheduled = float(self.trace.arrival_s[i])
         sent = res.sent_t - t0 if math.isfinite(res.sent_t) else math.nan
+        first = res.first_sent_t - t0 if math.isfinite(res.first_sent_t) else sent
         ttft = res.first_token_t - res.sent_t if math.isfinite(res.first_token_t) else math.nan
         e2e = res.end_t - res.sent_t if math.isfinite(res.end_t) else math.nan
         tpot = (e2e - ttft) / (res.output_tokens - 1) if res.status == "ok" and res.output_tokens >= 2 else math.nan
         self.status[i] = STATUS_CODES[res.status]
         self.input_tokens[i] = res.input_tokens
         self.output_tokens[i] = res.output_tokens
-        self.ttft[i], self.e2e[i], self.drift[i] = ttft, e2e, sent - scheduled
+        self.ttft[i], self.e2e[i], self.drift[i] = ttft, e2e, first - scheduled
+        self.retry_lag[i] = sent - first if math.isfinite(sent - first) else 0.0
         self.num_recorded += 1
         record = {"index": i, "scheduled_s": _r(scheduled), "trace_s": _r(scheduled / self.time_scale),
-                  "sent_s": _r(sent), "drift_s": _r(sent - scheduled),
+                  "sent_s": _r(sent), "drift_s": _r(first - scheduled),
                   "status": res.status, "http_status": res.http_status, "ttft_s": _r(ttft), "e2e_s": _r(e2e),
                   "tpot_s": _r(tpot), "itl_ms": itl_field(res.inter_token_ms()), "output_tokens": res.output_tokens,
                   "input_tokens": res.input_tokens, "requested_output_tokens": int(self.trace.output_tokens[i]),
                   "usage_reported": res.usage_reported, "retry_after_s": res.retry_after_s, "error": res.error}
+        if res.attempts > 1 or not math.isnan(res.first_sent_t):
+            record.update(attempts=res.attempts, first_sent_s=_r(first), retries=res.retries,
+                          client_ttft_s=_r(ttft + sent - first))
+            self.retry_rows.append({"attempts": res.attempts, "retries": res.retries, "http_status": res.http_status})
         self._file.write(json.dumps(record) + "\n")
         return record
 
@@ -127,6 +136,13 @@ def write_outputs(out_dir: Path, run_name: str, rec: Recorder, *, slo: Slo, dura
     outcomes = rec.outcomes(duration_s, gpu_hours)
     summary = summarize(outcomes, slo)
     summary["drift"] = drift_stats(rec.drift[rec.launched], rec.dispatch_drift[rec.launched])
+    if rec.retry_rows:  # the replay retried refusals: per original request, and as the user waited
+        from loadgen.replay_retries import retry_summary
+
+        lag = rec.retry_lag[rec.launched]
+        client = dataclasses.replace(outcomes, ttft_s=outcomes.ttft_s + lag, e2e_s=outcomes.e2e_s + lag)
+        summary["client_goodput_rps"] = summarize(client, slo)["goodput_rps"]
+        summary["retries"] = retry_summary(rec.retry_rows, extra.get("replay", {}).get("retries"))
     summary.update(extra)
     hour_s = 3600.0 * time_scale
     num_hours = max(1, math.ceil(duration_s / hour_s - 1e-9))

@@ -88,6 +88,9 @@ def _batching(t: Targets) -> list[Panel]:
         ts("CUDA-graph padding waste", "Fraction of captured-batch slots that were padding, per unit, since "
            "start.", [Target(Q.gauge(M.PADDING_WASTE), UNIT_LEGEND)], "percentunit"),
         ts("Step device time", "p50/p99 of one engine step's device time.", _quantiles(M.STEP_TIME, "step"), "s"),
+        ts("TTFT prediction error", "p50/p99 of predicted over measured time to first token of admitted "
+           "requests (what admission control acted on). Dashed: 1, an exact prediction.",
+           _quantiles(M.TTFT_PREDICTION, "predicted/measured"), "short", lines=(1.0,)),
     ]
 
 

@@ -65,6 +65,7 @@ class SchedulerArgs(_Strict):
     batching: dict[str, Any] = Field(default_factory=dict, description="overrides of core BatchingConfig")
     regime: dict[str, Any] = Field(default_factory=dict, description="overrides of core RegimeConfig")
     admission: dict[str, Any] = Field(default_factory=dict, description="overrides of core AdmissionConfig")
+    step_sizing: dict[str, Any] = Field(default_factory=dict, description="overrides of core StepSizingConfig")
 
     @model_validator(mode="after")
     def _known_policy(self) -> SchedulerArgs:
@@ -170,4 +171,5 @@ def scheduler_config(args: SchedulerArgs, *, num_kv_blocks: int, block_size: int
     cfg = preset(args.policy, base)
     return dataclasses.replace(cfg, batching=_replace(cfg.batching, args.batching, "batching"),
                                regime=_replace(cfg.regime, args.regime, "regime"),
-                               admission=_replace(cfg.admission, args.admission, "admission"))
+                               admission=_replace(cfg.admission, args.admission, "admission"),
+                               step_sizing=_replace(cfg.step_sizing, args.step_sizing, "step_sizing"))

@@ -17,6 +17,7 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.15, 0.2, 0.3,
                  0.5, 1.0, 2.0)
 WAIT_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512)
 
 UNIT_TAG = "unit"
@@ -57,6 +58,9 @@ QUEUE_TIME = _h("tidal_queue_time_seconds", "Arrival at the ingress to admission
 MICROWAIT = _h("tidal_microwait_seconds", "Wait chosen by the batching policy before a step (0 = none)",
                WAIT_BUCKETS_S)
 BATCH_SIZE = _h("tidal_batch_size", "Sequences in an engine step", BATCH_BUCKETS)
+TTFT_PREDICTION = _h("tidal_ttft_prediction_ratio",
+                     "Predicted over measured time to first token of admitted requests (1 = exact; below 1 the "
+                     "predictor was optimistic)", RATIO_BUCKETS)
 STEP_TIME = _h("tidal_step_device_seconds", "Device time of one engine step", ITL_BUCKETS_S)
 
 RUNNING = MetricDef("tidal_num_running", "gauge", "Requests in the running batch (prefilling or decoding)")
@@ -99,7 +103,7 @@ AUTH_FAILURES = MetricDef("tidal_auth_failures", "counter",
                           "Requests refused with 401 at the ingress: no API key or an unknown one", ())
 
 ALL_METRICS: tuple[MetricDef, ...] = (
-    TTFT, ITL, E2E, QUEUE_TIME, MICROWAIT, BATCH_SIZE, STEP_TIME,
+    TTFT, ITL, E2E, QUEUE_TIME, MICROWAIT, BATCH_SIZE, STEP_TIME, TTFT_PREDICTION,
     RUNNING, WAITING, KV_USAGE, REGIME, LOAD, CAPACITY, QUEUE_DELAY, PADDING_WASTE, UNITS_DESIRED, UNITS_DEMAND,
     DISPATCHES, REJECTIONS, PREEMPTIONS, FINISHED, PROMPT_TOKENS, GENERATION_TOKENS, ARRIVALS, ENGINE_ERRORS,
     API_REQUESTS, API_TOKENS, AUTH_FAILURES,

@@ -73,6 +73,8 @@ class UnitMetrics:
 
     def on_first_token(self, req: Request, now: float) -> None:
         self._m[M.TTFT.name].observe(now - req.arrival_s)
+        if req.ttft_prediction_ratio is not None:
+            self._m[M.TTFT_PREDICTION.name].observe(req.ttft_prediction_ratio)
         if req.admitted_s is not None:
             self._m[M.QUEUE_TIME.name].observe(req.admitted_s - req.arrival_s)
         self._m[M.PROMPT_TOKENS.name].inc(req.num_prompt_tokens)

@@ -3,6 +3,9 @@
 Owns: `AdmissionController.check`. Rules, in order, each with its metric label:
 
 - `too_long`: prompt plus one output token exceeds `max_model_len` (never retryable: 400);
+- `concurrency_limit`: `max_concurrent_requests` requests are already in the unit (TGI's
+  cap; checked whether or not `enabled` is set, like the next one);
+- `queue_full`: `max_queued_requests` requests already wait (Ray Serve's cap);
 - `queue_full`: `max_queue_len` requests already wait;
 - `prefill_backlog`: the predicted time to first token of a new arrival exceeds
   `target_ttft_s` in OVERLOAD (or `burst_factor` x `target_ttft_s` in LIGHT/STEADY, where a
@@ -50,6 +53,7 @@ class UnitState:
     predicted_ttft_s: float
     work_ahead: bool
     regime: Regime
+    num_in_system: int = 0
 
 
 class AdmissionController:
@@ -68,6 +72,12 @@ class AdmissionController:
 
     def check(self, req: Request, state: UnitState, load: LoadEstimator) -> Rejection | None:
         cfg = self.config
+        if cfg.max_concurrent_requests is not None and state.num_in_system >= cfg.max_concurrent_requests:
+            return self._reject(req, "concurrency_limit", 1.0 / max(load.capacity_rps(), 1e-9),
+                                f"{state.num_in_system} requests are in flight (limit {cfg.max_concurrent_requests})")
+        if cfg.max_queued_requests is not None and state.num_waiting >= cfg.max_queued_requests:
+            return self._reject(req, "queue_full", state.num_waiting / max(load.capacity_rps(), 1e-9),
+                                f"{state.num_waiting} requests are already queued (limit {cfg.max_queued_requests})")
         if not cfg.enabled:
             return None
         if state.num_waiting >= cfg.max_queue_len:
@@ -78,7 +88,8 @@ class AdmissionController:
             return None
         ttft = state.predicted_ttft_s
         # Past capacity every admitted request beyond the target would miss it; below capacity
-        # a burst drains, so only `burst_factor` x the target is refused. A request nothing is
+        # a burst may be let queue up to `burst_factor` x the target (default 1: the prediction
+        # is calibrated, so a request predicted past the target misses it). A request nothing is
         # ahead of is always admitted: no unit could serve it sooner.
         limit = cfg.target_ttft_s if state.regime is Regime.OVERLOAD else cfg.burst_factor * cfg.target_ttft_s
         if state.work_ahead and ttft > limit:

@@ -45,6 +45,14 @@ class CudaGraphBuckets:
         if padded is not None:
             self.padded_slots += padded - n
 
+    def pad_step(self, num_decodes: int, num_prefill_tokens: int) -> int | None:
+        """The bucket of a pure-decode step (recorded), or None for a step holding prefill."""
+        if num_prefill_tokens or not num_decodes:
+            return None
+        padded = self.bucket_for(num_decodes)
+        self.record(num_decodes, padded)
+        return padded
+
     def padding_waste(self) -> float:
         """Fraction of graph-replayed slots that were padding, over all recorded steps."""
         total = self.useful_slots + self.padded_slots

@@ -1,7 +1,7 @@
 """Scheduler configuration: frozen, validated, no I/O.
 
 Owns: `SchedulerConfig` and its parts (`BatchingConfig`, `RegimeConfig`, `AdmissionConfig`,
-`ServicePrior`). Every error message names the value and the fix. YAML and environment
+`StepSizingConfig`, `ServicePrior`). Every error message names the value and the fix. YAML and environment
 variables are read at the edge (serve_app/config_loader.py), never here.
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
@@ -78,6 +78,7 @@ class RegimeConfig:
     kv_overload: float = 0.95
     kv_overload_exit: float = 0.85
     min_dwell_s: float = 1.0
+    enabled: bool = True  # False: the unit stays STEADY (the "no regimes" ablation)
 
     def __post_init__(self) -> None:
         _require(0.0 <= self.light_enter <= self.light_exit,
@@ -99,15 +100,19 @@ class AdmissionConfig:
     With `enabled`, a request is turned away when the queue holds `max_queue_len`, when the
     predicted queueing delay of the prefill tokens ahead of it exceeds `target_ttft_s`
     (the queued-prefill-token cap, i.e. about target TTFT x prefill throughput), or when KV
-    usage is at `kv_reject_usage` with requests already waiting for room. With
-    `target_tpot_s`, the adaptive policy also sizes every step so running decodes keep that
-    time per output token (core/tpot.py).
+    usage is at `kv_reject_usage` with requests already waiting for room. `target_tpot_s` is
+    the time-per-output-token half of the SLO (None: no TPOT target); the step sizer
+    (`StepSizingConfig`, core/step_sizer.py) holds admitted requests to it.
 
     `mode` "slo" (the default: production) applies every rule above. "protect" (a dev server)
     keeps only what protects the process, the bounded queue (`max_queue_len`): a request that
     would miss `target_ttft_s`, or that finds the KV cache full, waits its turn instead of
     getting a 429 (the KV pool is fixed at start and the scheduler never admits past it, so
     queueing costs latency, not memory).
+
+    Two plain caps apply whether or not `enabled` is set (the baselines users run):
+    `max_concurrent_requests` on requests in the unit (TGI's limit) and `max_queued_requests`
+    on requests waiting (Ray Serve's); None is no cap.
     """
 
     enabled: bool = True
@@ -115,15 +120,21 @@ class AdmissionConfig:
     max_queue_len: int = 1024
     target_ttft_s: float = 1.0
     target_tpot_s: float | None = None
-    burst_factor: float = 2.0
+    burst_factor: float = 1.0
     kv_reject_usage: float = 0.98
     min_retry_after_s: float = 1.0
     max_retry_after_s: float = 60.0
+    max_concurrent_requests: int | None = None
+    max_queued_requests: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.mode in ADMISSION_MODES,
                  f"admission.mode={self.mode!r} is unknown; use 'slo' (reject to keep the TTFT target) or "
                  "'protect' (only a full queue is refused)")
+        _require(self.max_concurrent_requests is None or self.max_concurrent_requests >= 1,
+                 f"admission.max_concurrent_requests={self.max_concurrent_requests} must be None (no cap) or >= 1")
+        _require(self.max_queued_requests is None or self.max_queued_requests >= 0,
+                 f"admission.max_queued_requests={self.max_queued_requests} must be None (no cap) or >= 0")
         _require(self.max_queue_len >= 1, f"admission.max_queue_len={self.max_queue_len} must be >= 1")
         _require(self.target_ttft_s > 0.0, f"admission.target_ttft_s={self.target_ttft_s} must be > 0")
         _require(self.burst_factor >= 1.0, f"admission.burst_factor={self.burst_factor} must be >= 1")
@@ -133,6 +144,41 @@ class AdmissionConfig:
                  f"admission.kv_reject_usage={self.kv_reject_usage} must be in (0, 1]")
         _require(0.0 < self.min_retry_after_s <= self.max_retry_after_s,
                  f"admission.min_retry_after_s={self.min_retry_after_s} must be > 0 and <= max_retry_after_s")
+
+
+@dataclass(frozen=True, slots=True)
+class StepSizingConfig:
+    """How big each step may be so running decodes keep `admission.target_tpot_s` (core/step_sizer.py).
+
+    The step sizer aims at `headroom` x the target; a decode-only step may use `decode_share`
+    of that aim (the running-batch cap). Each decode banks what its steps came in under the
+    aim; a step may be as long as the aim plus the smallest bank of the decodes in it, at most
+    `max_bank_steps` aims. A decode may borrow against the tokens it is still expected to
+    produce: the `borrow_quantile` of what finished requests produced past that point (0:
+    never); when the oldest prompt has waited `pressure_fraction` of the TTFT target, the
+    `pressure_quantile` instead. Off (`enabled=False`) or without a TPOT target, steps are
+    bounded only by the token budget.
+    """
+
+    enabled: bool = True
+    headroom: float = 0.95
+    decode_share: float = 0.9
+    max_bank_steps: float = 50.0
+    borrow_quantile: float = 0.01
+    pressure_quantile: float = 0.05
+    pressure_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        _require(self.borrow_quantile <= self.pressure_quantile <= 1.0,
+                 f"step_sizing.pressure_quantile={self.pressure_quantile} must be in [borrow_quantile, 1]")
+        _require(0.0 < self.pressure_fraction <= 10.0,
+                 f"step_sizing.pressure_fraction={self.pressure_fraction} must be in (0, 10]")
+        _require(0.0 <= self.borrow_quantile <= 0.5,
+                 f"step_sizing.borrow_quantile={self.borrow_quantile} must be in [0, 0.5] (0: no borrowing)")
+        _require(0.1 <= self.headroom <= 1.5, f"step_sizing.headroom={self.headroom} must be in [0.1, 1.5]")
+        _require(0.1 <= self.decode_share <= 1.0,
+                 f"step_sizing.decode_share={self.decode_share} must be in [0.1, 1]")
+        _require(self.max_bank_steps >= 0.0, f"step_sizing.max_bank_steps={self.max_bank_steps} must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,11 +216,13 @@ class SchedulerConfig:
     kv_watermark: float = 0.01
     enable_chunked_prefill: bool = True
     max_new_requests_per_step: int | None = None
+    max_prefill_tokens: int | None = None  # prefill tokens per step (TGI's max_batch_prefill_tokens)
     cuda_graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     load_tau_s: float = 10.0
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     regime: RegimeConfig = field(default_factory=RegimeConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    step_sizing: StepSizingConfig = field(default_factory=StepSizingConfig)
     service_prior: ServicePrior = field(default_factory=ServicePrior)
 
     def __post_init__(self) -> None:
@@ -193,6 +241,8 @@ class SchedulerConfig:
                  f">= max_model_len={self.max_model_len}, or no long prompt could ever run")
         _require(self.max_new_requests_per_step is None or self.max_new_requests_per_step >= 1,
                  f"max_new_requests_per_step={self.max_new_requests_per_step} must be None or >= 1")
+        _require(self.max_prefill_tokens is None or self.max_prefill_tokens >= 1,
+                 f"max_prefill_tokens={self.max_prefill_tokens} must be None (no cap) or >= 1")
         buckets = self.cuda_graph_buckets
         _require(all(b >= 1 for b in buckets) and list(buckets) == sorted(set(buckets)),
                  f"cuda_graph_buckets={buckets} must be strictly increasing positive sizes")

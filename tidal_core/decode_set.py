@@ -120,15 +120,9 @@ class DecodeSet:
         if not due:
             return []
         reqs = self.reqs
-        out: list[Request] = []
-        seen: set[str] = set()
-        for r in due:
-            # A request preempted and resumed can be listed twice for one step: finish it once.
-            rid = r.request_id
-            if rid not in seen and reqs.get(rid) is r and len(r.output_token_ids) >= self.length_limit(r):
-                seen.add(rid)
-                out.append(r)
-        return out
+        out = [r for r in due if reqs.get(r.request_id) is r and len(r.output_token_ids) >= self.length_limit(r)]
+        # A request preempted and resumed within one step is listed twice for the same step.
+        return list({id(r): r for r in out}.values()) if len(out) > 1 else out
 
     def check_integrity(self) -> None:
         if not list(self.reqs) == list(self.outs) == list(self.ones) or set(self.reqs) != set(self._phase_of):

@@ -1,9 +1,11 @@
 """When to launch new prefills: the adaptive micro-wait and the baselines' batching rules.
 
-Owns: `microwait_s` (the seed's formula) and `BatchingPolicy.decide`, which answers, at a step
+Owns: `microwait_s` (the seed's formula) and `LaunchPolicy.decide`, which answers, at a step
 boundary, "admit waiting requests now, or hold them until a deadline?".
 
-The adaptive micro-wait, from the oldest waiting request's arrival:
+The adaptive micro-wait, from the oldest waiting request's arrival at this unit (`queued_s`:
+in Serve the front end's arrival is earlier, and a wait counted from it would always have
+expired by the time the unit sees the request):
 
     wait = 0                                    if load < light_load or waiting >= max_batch_size
     wait = clamp(t_max * (1 - load), t_min, t_max)   otherwise, and never above 5 ms
@@ -52,7 +54,7 @@ _ADMIT_JOIN = BatchingDecision(True, "join")
 _HOLD_RUNNING = BatchingDecision(False, "batch_running")
 
 
-class BatchingPolicy:
+class LaunchPolicy:
     __slots__ = ("config", "max_batch_size", "saturation_tokens")
 
     def __init__(self, config: BatchingConfig, max_batch_size: int, max_num_batched_tokens: int) -> None:
@@ -111,3 +113,7 @@ class BatchingPolicy:
         if now >= deadline:
             return BatchingDecision(True, "wait_expired", wait_s=cfg.static_timeout_s)
         return BatchingDecision(False, "static_batch", deadline, cfg.static_timeout_s)
+
+
+BatchingPolicy = LaunchPolicy
+"""The former name, kept for callers that still use it."""

@@ -8,7 +8,8 @@ without a break for `min_dwell_s` before it is taken, so stationary noise does n
 
 What a regime changes: LIGHT launches at once (no micro-wait); STEADY applies the adaptive
 micro-wait; OVERLOAD launches at once (the queue batches by itself) and is the signal for
-autoscaling and dashboards. Admission control is checked on every arrival whatever the label,
+autoscaling and dashboards. With `enabled=False` (an ablation) the unit stays STEADY.
+Admission control is checked on every arrival whatever the label,
 because the label lags a burst by up to the dwell time.
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
@@ -35,7 +36,7 @@ class RegimeDetector:
 
     def __init__(self, config: RegimeConfig, now: float = 0.0) -> None:
         self.config = config
-        self.regime = Regime.LIGHT
+        self.regime = Regime.LIGHT if config.enabled else Regime.STEADY
         self.since_s = now
         self.num_transitions = 0
         self._pending: Regime | None = None
@@ -58,6 +59,8 @@ class RegimeDetector:
         return Regime.LIGHT if load < c.light_enter and queue_delay_ratio < c.queue_delay_exit else Regime.STEADY
 
     def update(self, now: float, load: float, queue_delay_ratio: float, kv_usage: float) -> Regime:
+        if not self.config.enabled:
+            return self.regime
         want = self.target(load, queue_delay_ratio, kv_usage)
         if want is self.regime:
             self._pending = None

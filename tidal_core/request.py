@@ -93,10 +93,13 @@ class Request:
         "output_token_ids",
         "predicted_ttft_s",
         "prompt_token_ids",
+        "queued_s",
+        "raw_predicted_ttft_s",
         "request_id",
         "sampling",
         "status",
         "stop_ids",
+        "ttft_prediction_ratio",
     )
 
     def __init__(
@@ -129,7 +132,12 @@ class Request:
         self.num_preemptions = 0
         # EOS handling is resolved once here so the per-token check is one set lookup.
         self.stop_ids: frozenset[int] = sampling.stop_token_ids
-        self.predicted_ttft_s: float | None = None  # set by admission; its error trains the predictor
+        self.queued_s = arrival_s  # when the unit got it (set by Scheduler.add_request)
+        # Set at admission: the TTFT admission judged, the raw model's (its error trains the
+        # correction), and at the first token predicted / measured.
+        self.predicted_ttft_s: float | None = None
+        self.raw_predicted_ttft_s: float | None = None
+        self.ttft_prediction_ratio: float | None = None
 
     @property
     def num_tokens(self) -> int:

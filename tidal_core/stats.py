@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tidal_core.plan import StepStats
+from tidal_core.plan import StepPlan, StepStats
 from tidal_core.request import Request
 
 
@@ -77,6 +77,20 @@ class SchedulerStats:
     wait_s_total: float = 0.0
     tpot_limited_steps: int = 0
     last_step: StepStats | None = None
+
+    def record_wait(self, reason: str, wait_s: float) -> None:
+        self.num_waits += 1
+        self.waits[reason] += 1
+        self.wait_s_total += wait_s
+
+    def record_step(self, plan: StepPlan, now: float, regime: str, load: float, wait_s: float, reason: str,
+                    num_preempted: int, num_waiting: int, num_running: int, kv_usage: float) -> None:
+        self.num_steps += 1
+        self.dispatch[reason] += 1
+        self.last_step = StepStats(now, plan.step_id, len(plan.num_scheduled_tokens), plan.num_decode_seqs +
+                                   plan.num_prefill_tokens, plan.num_decode_seqs, plan.num_prefill_tokens,
+                                   len(plan.new_requests), plan.padded_batch_size, num_waiting, num_running,
+                                   kv_usage, regime, load, wait_s, reason, num_preempted)
 
     @property
     def num_rejected(self) -> int:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tidal_core import POLICIES, AutoscaleConfig
+from tidal_core import POLICIES, AutoscaleConfig, preset
 
 
 def _trace_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -27,6 +27,15 @@ def _trace_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    from tidal_core.overrides import apply_overrides, parse_pairs
+
+    try:  # checked before any trace is loaded, so a typo fails at once
+        overrides = parse_pairs(args.set or [])
+        for name in args.policy:
+            apply_overrides(preset(name), overrides)
+    except ValueError as e:
+        print(f"tidal simulate: {e}", file=sys.stderr)
+        return 2
     from calibration.cost_model import CostModel
     from loadgen.report import Slo
     from loadgen.sim.runner import RunSpec, run_policy, summary_markdown, unit_config, write_run
@@ -44,7 +53,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     trace = trace.clipped(args.max_model_len - 1, args.max_model_len - 1)
     autoscale = AutoscaleConfig(min_units=args.min_units, max_units=args.max_units) if args.autoscale else None
     spec = RunSpec(trace, base, cost, Slo(args.slo_ttft, args.slo_tpot), units=args.units, autoscale=autoscale,
-                   provisioning_s=args.provisioning_s, seed=args.seed)
+                   provisioning_s=args.provisioning_s, seed=args.seed, overrides=overrides)
     runs = [run_policy(spec, p, progress=not args.quiet) for p in args.policy]
     out = Path(args.out)
     write_run(out, f"{trace.name} on {cost.name}", runs, spec.slo, requests_jsonl=not args.no_requests)
@@ -69,6 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--trace", required=True,
                    help="day-in-life | day-in-life-sharp | azure-code | azure-conv | mooncake-conv | PATH")
     p.add_argument("--policy", action="append", choices=POLICIES, required=True, help="repeat to compare")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override any scheduler field after the preset, dotted for nested ones "
+                        "(e.g. --set max_num_batched_tokens=512 --set admission.target_ttft_s=2); repeatable")
     _common(p)
     scale = p.add_mutually_exclusive_group()
     scale.add_argument("--units", type=int, default=1, help="fixed number of serving units")

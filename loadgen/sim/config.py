@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loadgen.report import Slo
+from loadgen.retry_policy import RetryPolicy
 from tidal_core import AutoscaleConfig, SchedulerConfig
 
 
@@ -26,3 +27,4 @@ class SimConfig:
     provisioning_s: float = 300.0
     sample_interval_s: float = 60.0
     seed: int = 0
+    retries: RetryPolicy | None = None  # clients retry refusals (loadgen/sim/retries.py); None: never

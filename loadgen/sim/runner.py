@@ -25,9 +25,11 @@ from calibration.unit_sizing import kv_cache_blocks
 from loadgen import plots
 from loadgen.records import Trace
 from loadgen.report import STATUS_NAMES, RunOutcomes, Slo, markdown_table, per_hour, summarize, write_json
+from loadgen.retry_policy import RetryPolicy
 from loadgen.sim.config import SimConfig
 from loadgen.sim.simulation import SimRun, simulate
 from tidal_core import AutoscaleConfig, SchedulerConfig, preset
+from tidal_core.overrides import apply_overrides
 
 
 def unit_config(cost_model: CostModel, *, max_batch_size: int = 128, max_num_batched_tokens: int = 2048,
@@ -75,17 +77,20 @@ class RunSpec:
     provisioning_s: float = 300.0
     seed: int = 0
     scheduler: SchedulerConfig | None = None  # an exact config (e.g. a Serve config's) instead of preset + SLO
+    overrides: dict[str, str] = field(default_factory=dict)  # dotted field=value, applied last
+    retries: RetryPolicy | None = None  # clients retry refused requests (the openai client's rules)
 
 
 def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:
     # The admission targets follow the SLO, so the adaptive policy protects what is measured.
     cfg = spec.scheduler or preset(policy, spec.base)
-    if spec.scheduler is None and cfg.admission.enabled:
+    if spec.scheduler is None and (cfg.admission.enabled or cfg.step_sizing.enabled):
         cfg = dataclasses.replace(cfg, admission=dataclasses.replace(cfg.admission, target_ttft_s=spec.slo.ttft_s,
                                                                      target_tpot_s=spec.slo.tpot_s))
+    cfg = apply_overrides(cfg, spec.overrides)  # `tidal simulate --set`: last, so any field can change
     config = SimConfig(cfg, executor_factory(spec.cost_model), spec.slo, num_units=spec.units,
                        gpus_per_unit=spec.cost_model.tp, autoscale=spec.autoscale, provisioning_s=spec.provisioning_s,
-                       seed=spec.seed)
+                       seed=spec.seed, retries=spec.retries)
     bar = tqdm(total=len(spec.trace), desc=f"{policy:>10}", unit="req", disable=not progress, leave=False,
                mininterval=1.0)
     t0 = time.perf_counter()

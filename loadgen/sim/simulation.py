@@ -29,6 +29,7 @@ from loadgen.records import Trace
 from loadgen.report import ERROR, OK, REJECTED, RunOutcomes
 from loadgen.sim.cluster import Fleet
 from loadgen.sim.config import SimConfig
+from loadgen.sim.retries import RetryingClients
 from loadgen.sim.unit import Unit
 from tidal_core import Request, Run, SamplingParams, Scheduler, WaitUntil
 
@@ -51,6 +52,7 @@ class SimRun:
     unit_intervals: list[tuple[float, float]]
     counters: dict[str, dict[str, int]]
     wall_s: float = 0.0
+    retries: RetryingClients | None = None
 
 
 class _Recorder:
@@ -63,6 +65,7 @@ class _Recorder:
         self.ttft = np.full(n, np.nan)
         self.e2e = np.full(n, np.nan)
         self.n_out = np.zeros(n, np.int64)
+        self.predicted_ttft = np.full(n, np.nan)  # the scheduler's TTFT prediction at admission
 
 
 class Simulation:
@@ -81,6 +84,7 @@ class Simulation:
         self.heap: list[tuple[float, int, int, int]] = []  # (time, seq, unit id, unit token)
         self._seq = itertools.count(1)
         self._regime_of: dict[int, str] = {}
+        self.retries = RetryingClients(config.retries, trace, config.seed) if config.retries is not None else None
 
     def run(self) -> SimRun:
         """Take the earliest of: a sample, an autoscale tick, an arrival, an engine event."""
@@ -89,8 +93,11 @@ class Simulation:
         i = 0
         next_tick = config.autoscale_interval_s if config.autoscale else INF
         next_sample = 0.0
+        retries = self.retries
         while True:
-            t_arr = arrivals[i] if i < n else INF
+            t_next = arrivals[i] if i < n else INF
+            t_retry = retries.next_s if retries is not None else INF
+            t_arr = min(t_next, t_retry)
             t_evt = heap[0][0] if heap else INF
             if t_arr == INF and t_evt == INF:
                 break
@@ -100,6 +107,11 @@ class Simulation:
             elif next_tick <= min(t_arr, t_evt):
                 self.on_autoscale_tick(next_tick)
                 next_tick += config.autoscale_interval_s
+            elif retries is not None and t_retry < t_next and t_retry <= t_evt:
+                # A retry is an arrival of its own request at its send time, measured from there.
+                t_sent, j = retries.pop()
+                arrivals[j] = t_sent
+                self.on_arrival(j, t_sent)
             elif t_arr <= t_evt:
                 self.on_arrival(i, t_arr)
                 i += 1
@@ -116,9 +128,14 @@ class Simulation:
         """Route request `i`; admission may reject it; an idle or waiting unit re-decides."""
         unit = self.fleet.route(now)
         req = Request(str(i), self.inputs[i], SamplingParams(max_tokens=self.outputs[i], ignore_eos=True), now)
-        if unit is None or unit.sched.add_request(req, now) is not None:
+        rejection = unit.sched.add_request(req, now) if unit is not None else None
+        if unit is None or rejection is not None:
             self.rec.status[i] = REJECTED
+            if self.retries is not None:
+                self.retries.on_rejected(i, now, rejection)
             return
+        if self.retries is not None:
+            self.retries.on_admitted(i)
         if unit.inflight is None:  # idle, or in a micro-wait: the arrival may change the decision
             self.kick(unit, now)
 
@@ -140,6 +157,8 @@ class Simulation:
                 rec.e2e[idx] = now - arrivals[idx]
                 rec.n_out[idx] = len(req.output_token_ids)
                 rec.status[idx] = OK
+                if req.predicted_ttft_s is not None:
+                    rec.predicted_ttft[idx] = req.predicted_ttft_s
         self.kick(unit, now)
         self.fleet.maybe_retire(unit, now)
 
@@ -178,8 +197,10 @@ class Simulation:
         gpu_hours = sum(b - a for a, b in intervals) * self.config.gpus_per_unit / 3600.0
         counters = _merge_counters([u.sched for u in fleet.all_units()])
         outcomes = RunOutcomes(rec.arrival, trace.input_tokens, rec.n_out, rec.status, rec.ttft, rec.e2e,
-                               float(trace.duration_s), gpu_hours, counters["preempted"].get("kv_exhausted", 0))
-        return SimRun(outcomes, self.samples, intervals, {k: dict(v) for k, v in counters.items()})
+                               float(trace.duration_s), gpu_hours, counters["preempted"].get("kv_exhausted", 0),
+                               extra={"predicted_ttft_s": rec.predicted_ttft})
+        return SimRun(outcomes, self.samples, intervals, {k: dict(v) for k, v in counters.items()},
+                      retries=self.retries)
 
 
 def simulate(trace: Trace, config: SimConfig, progress: Callable[[int], None] | None = None) -> SimRun:

@@ -36,8 +36,22 @@ def test_presets_differ_only_in_policy_knobs() -> None:
     base = SchedulerConfig(max_batch_size=32, num_kv_blocks=1234)
     configs = {name: preset(name, base) for name in POLICIES}
     assert {c.policy for c in configs.values()} == set(POLICIES)
-    for c in configs.values():
-        assert (c.max_batch_size, c.num_kv_blocks, c.max_num_batched_tokens) == (32, 1234, base.max_num_batched_tokens)
+    # The baselines defined by a capacity knob (vLLM's defaults, Sarathi's token budget, TGI's
+    # prefill cap) set it; every other preset keeps the unit's capacity knobs.
+    sized = {"vllm", "sarathi", "tgi"}
+    for name, c in configs.items():
+        assert c.num_kv_blocks == 1234
+        if name not in sized:
+            assert (c.max_batch_size, c.max_num_batched_tokens) == (32, base.max_num_batched_tokens)
+    assert (configs["vllm"].max_batch_size, configs["vllm"].max_num_batched_tokens) == (256, 8192)
+    assert configs["sarathi"].max_num_batched_tokens == 512 and configs["sarathi"].admission.enabled
+    assert configs["tgi"].admission.max_concurrent_requests == 128 and configs["tgi"].max_prefill_tokens == 4096
+    assert configs["ray-serve"].admission.max_queued_requests == 64
+    assert not configs["adaptive-no-admission"].admission.enabled
+    assert not configs["adaptive-no-step-sizing"].step_sizing.enabled and configs["adaptive"].step_sizing.enabled
+    assert not configs["adaptive-no-regimes"].regime.enabled
+    assert configs["adaptive-no-microwait"].batching.t_max_s == 0.0
+    assert configs["continuous-admission"].admission.enabled and configs["continuous-admission"].batching.mode == "none"
     assert configs["eager"].max_new_requests_per_step == 1
     assert configs["fixed-wait"].batching.mode == "fixed"
     assert configs["static"].batching.mode == "static"

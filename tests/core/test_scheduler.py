@@ -66,7 +66,7 @@ def test_every_request_finishes_once_with_its_tokens() -> None:
     for r in done:
         assert r.finish_reason is FinishReason.LENGTH and r.num_output_tokens == r.sampling.max_tokens
     assert s.blocks.num_free_blocks == s.blocks.num_blocks
-    assert not s.requests and not s._announced
+    assert not s.requests and not s.q.announced
 
 
 def test_stop_token_and_min_tokens() -> None:

@@ -20,7 +20,7 @@ from serve_app.config_loader import (
     load_app_args,
     scheduler_config,
 )
-from tidal_core import AdmissionConfig, BatchingConfig, RegimeConfig
+from tidal_core import AdmissionConfig, BatchingConfig, RegimeConfig, StepSizingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -92,7 +92,7 @@ def test_every_knob_is_documented() -> None:
     doc = (ROOT / "docs" / "configuration.md").read_text()
     names = (set(EngineArgs.model_fields) | set(SchedulerArgs.model_fields) | set(IngressArgs.model_fields)
              | set(StreamingArgs.model_fields))
-    for cls in (BatchingConfig, RegimeConfig, AdmissionConfig):
+    for cls in (BatchingConfig, RegimeConfig, AdmissionConfig, StepSizingConfig):
         names |= {f.name for f in dataclasses.fields(cls)} - {"mode"}
     missing = sorted(n for n in names if f"`{n}`" not in doc)
     assert not missing, f"undocumented knobs: {missing}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import time
 
@@ -14,6 +15,8 @@ from serve_app.unit_api import GenerateChunk, GenerateRequest
 from tests.helpers import FakeExecutor
 from tidal_core import (
     AdmissionConfig,
+    BatchingConfig,
+    RegimeConfig,
     Request,
     SamplingParams,
     Scheduler,
@@ -226,6 +229,26 @@ def test_time_spent_in_the_front_end_counts_and_an_implausible_one_is_ignored() 
         await collect(loop, GenerateRequest("epoch", [1, 2, 3], sampling, 0.0))  # a clock that is off
         assert 2.0 <= probe.ttft["front"] < 30.0
         assert probe.ttft["epoch"] < 2.0
+        await loop.stop()
+
+    asyncio.run(main())
+
+
+def test_the_microwait_runs_from_the_units_arrival_not_the_front_ends() -> None:
+    # STEADY from the start (regimes off) and a micro-wait at any load, so the first request waits.
+    cfg = preset("adaptive", dataclasses.replace(
+        CFG, regime=RegimeConfig(enabled=False), batching=BatchingConfig(light_load=0.0, t_min_s=0.002,
+                                                                         t_max_s=0.003)))
+
+    async def main() -> None:
+        probe = _TtftProbe()
+        loop = EngineLoop(Scheduler(cfg), AsyncFake(), probe)
+        sampling = SamplingParams(max_tokens=2)
+        # 0.5 s in the front end: a deadline counted from there would long have expired.
+        await collect(loop, GenerateRequest("front", [1, 2, 3], sampling, time.time() - 0.5))
+        stats = loop.sched.stats
+        assert stats.waits["microwait"] == 1 and stats.dispatch["microwait_expired"] == 1
+        assert probe.ttft["front"] >= 0.5  # admission and TTFT still count from the front end
         await loop.stop()
 
     asyncio.run(main())

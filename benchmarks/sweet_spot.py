@@ -1,0 +1,92 @@
+"""The sweet spot: adaptive (one shipped configuration) against `sarathi` at its best token budget.
+
+For each cost model x trace x rate, runs `adaptive` once and `sarathi` (continuous + the same
+SLO admission + a fixed token budget) at every budget of `--budgets`, then picks the best
+budget with hindsight (highest goodput) and reports adaptive's goodput as a ratio of it, side
+by side with TPOT p99 and TTFT p50 of both
+(and `eager`'s TTFT p50, the light-load reference). Windows are the first `--hours` of each trace.
+
+    python benchmarks/sweet_spot.py --hours 0.25 --out runs/sweet_spot.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from calibration.cost_model import CostModel
+from loadgen.report import Slo
+from loadgen.sim.runner import RunSpec, run_policy, unit_config
+from loadgen.traces import load_trace
+
+TRACES = ("azure-code", "azure-conv", "mooncake-conv")
+RATES = (0.3, 1.0, 3.0)
+COST_MODELS = ("a100-llama70b-tp8", "h100-llama70b-tp8")
+BUDGETS = (128, 256, 512, 1024, 2048, 4096)
+
+
+def _row(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: summary.get(k) for k in ("goodput_rps", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "rejected",
+                                        "slo_attainment")}
+
+
+def cell(cost_name: str, trace_name: str, rate: float, hours: float, budgets: tuple[int, ...], slo: Slo,
+         policy: str = "adaptive", overrides: dict[str, str] | None = None) -> dict[str, Any]:
+    cost = CostModel.load(cost_name)
+    base = unit_config(cost, max_batch_size=128, max_num_batched_tokens=2048, max_model_len=8192)
+    trace = load_trace(trace_name, hours=hours, seed=0, rate_scale=rate).clipped(8191, 8191)
+    runs: dict[str, Any] = {}
+    runs[policy] = _row(run_policy(RunSpec(trace, base, cost, slo, overrides=overrides or {}), policy,
+                                   progress=False).summary)
+    runs["eager"] = _row(run_policy(RunSpec(trace, base, cost, slo), "eager", progress=False).summary)
+    for b in budgets:
+        spec = RunSpec(trace, base, cost, slo, overrides={"max_num_batched_tokens": str(b)})
+        runs[f"sarathi-{b}"] = _row(run_policy(spec, "sarathi", progress=False).summary)
+    best = max((k for k in runs if k.startswith("sarathi-")), key=lambda k: runs[k]["goodput_rps"] or 0.0)
+    best_g = runs[best]["goodput_rps"] or 0.0
+    ratio = (runs[policy]["goodput_rps"] or 0.0) / best_g if best_g > 0 else float("inf")
+    return {"cost_model": cost_name, "trace": trace_name, "rate": rate, "best": best, "ratio": round(ratio, 3),
+            "runs": runs}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hours", type=float, default=0.25)
+    ap.add_argument("--trace", action="append", choices=TRACES)
+    ap.add_argument("--rate", action="append", type=float)
+    ap.add_argument("--cost-model", action="append", choices=COST_MODELS)
+    ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
+    ap.add_argument("--policy", default="adaptive")
+    ap.add_argument("--set", action="append", default=[], help="KEY=VALUE overrides for the adaptive run")
+    ap.add_argument("--slo-ttft", type=float, default=1.0)
+    ap.add_argument("--slo-tpot", type=float, default=0.1)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    budgets = tuple(int(b) for b in args.budgets.split(",") if b)
+    overrides = dict(p.split("=", 1) for p in args.set)
+    slo = Slo(args.slo_ttft, args.slo_tpot)
+    cells = []
+    print("| GPU | trace | rate | best budget | its goodput | its TPOT p99 | adaptive goodput | TPOT p99 | "
+          "TTFT p50 (best / adaptive / eager) | adaptive / best |\n|---|---|---|---|---|---|---|---|---|---|")
+    for cm in args.cost_model or COST_MODELS:
+        for tr in args.trace or TRACES:
+            for rate in args.rate or RATES:
+                c = cell(cm, tr, rate, args.hours, budgets, slo, args.policy, overrides)
+                cells.append(c)
+                b, a, e = c["runs"][c["best"]], c["runs"][args.policy], c["runs"]["eager"]
+                print(f"| {cm.split('-')[0]} | {tr} | {rate}x | {c['best'].split('-')[1]} | {b['goodput_rps']} | "
+                      f"{b['tpot_p99_ms']} | {a['goodput_rps']} | {a['tpot_p99_ms']} | "
+                      f"{b['ttft_p50_ms']} / {a['ttft_p50_ms']} / {e['ttft_p50_ms']} | {c['ratio']} |", flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(cells, indent=1))
+    worst = min(c["ratio"] for c in cells)
+    print(f"worst ratio {worst}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""The TTFT predictor on its own: the backlog at the measured prefill speed, batch slots, its error."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal_core import ServicePrior
+from tidal_core.load import LoadEstimator
+from tidal_core.predictor import TtftPredictor
+
+PRIOR = ServicePrior(step_overhead_s=0.020, prefill_s_per_token=0.0001, decode_s_per_seq=0.001, prefill_step_s=0.0)
+
+
+def _predictor() -> TtftPredictor:
+    return TtftPredictor(LoadEstimator(10.0, PRIOR, 64, 100_000))
+
+
+def test_before_any_measurement_the_step_model_drains_the_backlog() -> None:
+    p = _predictor()
+    # 2000 tokens at 1000 per step with 4 decodes: 2 steps x 24 ms + 0.2 s of prefill
+    assert p.predict(0.0, 2000, 4, 0, 1000) == pytest.approx(2 * 0.024 + 0.2)
+    assert p.predict(0.0, 0, 4, 0, 1000) == 0.0
+
+
+def test_a_measured_prefill_speed_replaces_the_model() -> None:
+    p = _predictor()
+    for i in range(20):  # 5000 tokens/s measured while prompts were queued
+        p.load.prefill.on_step(0.1 * (i + 1), 0.1, 500)
+    assert p.predict(2.0, 1000, 4, 0, 1000) == pytest.approx(0.2)
+
+
+def test_a_full_batch_adds_the_wait_for_slots() -> None:
+    p = _predictor()
+    for i in range(50):
+        p.load.on_finish(0.1 * i, 10)
+    rate = p.load.departure_rate(5.0)
+    assert p.predict(5.0, 0, 64, 3, 1000) == pytest.approx(3 / rate)
+
+
+def test_the_error_is_kept_and_trains_the_correction() -> None:
+    p = _predictor()
+    assert p.observe(1.0, raw_predicted_s=0.5, predicted_s=0.5, measured_s=1.0) == pytest.approx(0.5)
+    assert p.observe(1.0, raw_predicted_s=0.5, predicted_s=None, measured_s=1.0) is None
+    assert p.num_observed == 1
+    for _ in range(200):  # the model keeps predicting half of what is measured
+        p.observe(1.0, 0.5, 0.5, 1.0)
+    assert p.load.ttft_correction.factor(1.0) == pytest.approx(2.0, rel=0.05)
+    assert p.predict(1.0, 1000, 0, 0, 1000, corrected=True) == pytest.approx(
+        2.0 * p.predict(1.0, 1000, 0, 0, 1000, corrected=False), rel=0.05)

@@ -1,0 +1,117 @@
+"""The step sizer on its own: per-decode TPOT banks, the prefill allowance, the batch cap."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tidal_core import ServicePrior, StepSizingConfig
+from tidal_core.load import ServiceModel
+from tidal_core.step_sizer import UNLIMITED, StepSizer, remaining_quantiles
+
+# 20 ms per step, 1 ms per decode, 0.1 ms per prefill token, no fixed prefill cost.
+SVC = ServiceModel(ServicePrior(step_overhead_s=0.020, prefill_s_per_token=0.0001, decode_s_per_seq=0.001,
+                                prefill_step_s=0.0))
+CFG = StepSizingConfig(headroom=1.0, decode_share=0.9, max_bank_steps=50.0)
+
+
+def test_nothing_running_means_no_limit_and_no_bank() -> None:
+    sizer = StepSizer(CFG, 0.1)
+    assert sizer.prefill_allowance(SVC, 0) == UNLIMITED
+    assert sizer.min_bank_s() == math.inf
+
+
+def test_a_fresh_decode_allows_only_what_fits_one_aim() -> None:
+    sizer = StepSizer(CFG, 0.1)
+    sizer.on_decode_start("a")
+    # aim 100 ms - (20 ms + 1 decode x 1 ms) = 79 ms of prefill = 790 tokens.
+    assert sizer.prefill_allowance(SVC, 1) == pytest.approx(790, abs=1)
+
+
+def test_fast_steps_bank_time_and_a_slow_one_spends_it() -> None:
+    sizer = StepSizer(CFG, 0.1, now=0.0)
+    sizer.on_decode_start("a")
+    now = 0.0
+    for _ in range(4):  # four 40 ms steps: 60 ms under the aim each
+        now += 0.040
+        sizer.on_step_done(now, 1)
+    assert sizer.bank_s("a") == pytest.approx(0.240)
+    assert sizer.prefill_allowance(SVC, 1) == pytest.approx(790 + 2400, abs=2)
+    now += 0.300  # a long step: 200 ms over the aim
+    sizer.on_step_done(now, 1)
+    assert sizer.bank_s("a") == pytest.approx(0.040)
+    # a's mean time per token stays under the aim: 5 tokens in 0.46 s
+    assert (now - 0.0) / 5 <= 0.1
+
+
+def test_the_poorest_decode_sets_the_allowance() -> None:
+    sizer = StepSizer(CFG, 0.1, now=0.0)
+    sizer.on_decode_start("old")
+    sizer.on_step_done(0.05, 1)
+    sizer.on_step_done(0.10, 1)
+    sizer.on_decode_start("new")  # empty bank while "old" holds 100 ms
+    assert sizer.min_bank_s() == pytest.approx(0.0)
+    sizer.on_decode_end("new")
+    assert sizer.min_bank_s() == pytest.approx(0.100)
+    sizer.on_decode_end("old")
+    assert sizer.min_bank_s() == math.inf
+
+
+def test_an_overdrawn_decode_blocks_prefill_until_it_recovers() -> None:
+    sizer = StepSizer(CFG, 0.1, now=0.0)
+    sizer.on_decode_start("a")
+    sizer.on_step_done(0.5, 1)  # 400 ms over
+    assert sizer.prefill_allowance(SVC, 1) == 0
+
+
+def test_the_bank_is_capped() -> None:
+    sizer = StepSizer(StepSizingConfig(headroom=1.0, max_bank_steps=2.0), 0.1, now=0.0)
+    sizer.on_decode_start("a")
+    now = 0.0
+    for _ in range(100):
+        now += 0.021
+        sizer.on_step_done(now, 1)
+    # bank ~7.9 s, but a step may spend at most 2 aims of it: (0.1 + 0.2 - 0.021) / 0.1 ms
+    assert sizer.prefill_allowance(SVC, 1) == pytest.approx(2790, abs=2)
+
+
+def test_the_batch_cap_leaves_room_under_the_aim() -> None:
+    sizer = StepSizer(CFG, 0.1)
+    # 0.9 x 100 ms - 20 ms overhead = 70 ms at 1 ms per decode
+    assert sizer.max_running(SVC) == 70
+    assert StepSizer(CFG, 0.01).max_running(SVC) == 1  # never below one
+
+
+def test_borrow_tables_read_what_requests_went_on_to_produce() -> None:
+    # outputs of 2, 11 and 101 tokens decode 1, 10 and 100 tokens after their first one
+    table = remaining_quantiles([2, 11, 101], 0.0)
+    assert table[0] == 1 and table[1] == 9 and table[10] == 90 and len(table) == 100
+    assert remaining_quantiles([], 0.1) == ()
+
+
+def test_a_young_decode_borrows_against_what_requests_like_it_produce() -> None:
+    sizer = StepSizer(StepSizingConfig(headroom=1.0, borrow_quantile=0.01, pressure_quantile=0.5), 0.1)
+    for _ in range(16):
+        sizer.on_finished(11)  # every request decodes 10 tokens after its first
+    sizer.on_decode_start("a")
+    # gain per decode-only step: 100 - 21 = 79 ms; 10 tokens to repay: 790 ms of credit,
+    # so the step may hold (21 + 790 - 21) ms of prefill = 7900 tokens.
+    assert sizer.prefill_allowance(SVC, 1) == pytest.approx(7900, abs=2)
+    now = 0.0
+    for _ in range(9):  # nine short steps later, one token left to borrow against
+        now += 0.021
+        sizer.on_step_done(now, 1)
+    assert sizer.prefill_allowance(SVC, 1) == pytest.approx((9 * 0.079 + 0.079) / 0.0001, abs=2)
+
+
+def test_pressure_borrows_more_and_strict_borrows_nothing() -> None:
+    sizer = StepSizer(StepSizingConfig(headroom=1.0, borrow_quantile=0.01, pressure_quantile=0.6), 0.1)
+    for n in range(16):
+        sizer.on_finished(2 if n < 8 else 21)  # half decode 1 token after the first, half 20
+    sizer.on_decode_start("a")
+    normal = sizer.prefill_allowance(SVC, 1)
+    pressed = sizer.prefill_allowance(SVC, 1, pressure=True)
+    strict = sizer.prefill_allowance(SVC, 1, pressure=True, strict=True)
+    assert strict == 790 == normal  # the 1% quantile is the 1-token request: nothing to borrow
+    assert pressed == pytest.approx(20 * 790, abs=2)  # the 60% quantile decodes 20 more tokens

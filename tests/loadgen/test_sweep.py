@@ -1,0 +1,80 @@
+"""`tidal sweep`: knob grids, hindsight-best choice, one run per distinct configuration, the report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from calibration.cost_model import CostModel
+from loadgen.retry_policy import RetryPolicy
+from loadgen.sim.runner import unit_config
+from loadgen.sim.sweep_matrix import SLOS, Cell, Family, Window, cell_trace
+from loadgen.sim.sweep_report import best_fixed, day_hour_rows, headline_rows, report_markdown
+from loadgen.sim.sweep_run import best_of, run_cell, variant_config
+
+A100 = "a100-llama70b-tp8"
+FAMILIES = [Family("adaptive", "adaptive"), Family("vllm", "vllm", "max_num_batched_tokens", (256, 1024)),
+            Family("tgi", "tgi", "admission.max_concurrent_requests", (16, 64))]
+
+
+def test_variant_config_sets_the_knob_and_the_slo_targets() -> None:
+    base = unit_config(CostModel.load(A100))
+    vllm = FAMILIES[1]
+    small = variant_config(vllm, {"max_num_batched_tokens": "128"}, base, SLOS["ttft1-tpot100"])
+    assert small.max_num_batched_tokens == 128 and small.max_batch_size == 128, "vLLM needs max_num_seqs <= budget"
+    big = variant_config(vllm, {"max_num_batched_tokens": "4096"}, base, SLOS["ttft1-tpot100"])
+    assert big.max_num_batched_tokens == 4096 and big.max_batch_size > 128
+    assert big == variant_config(vllm, {"max_num_batched_tokens": "4096"}, base, SLOS["ttft2-tpot75"])
+    a = [variant_config(FAMILIES[0], {}, base, slo) for slo in SLOS.values()]
+    assert (a[0].admission.target_ttft_s, a[0].admission.target_tpot_s) == (1.0, 0.1)
+    assert (a[1].admission.target_ttft_s, a[1].admission.target_tpot_s) == (2.0, 0.075)
+
+
+@pytest.fixture(scope="module")
+def cell_result() -> dict:
+    return run_cell(Cell("azure-conv", 1.0, A100), FAMILIES, SLOS, Window(minutes=1.5), RetryPolicy())
+
+
+def test_a_cell_runs_each_distinct_configuration_once_and_judges_it_under_every_slo(cell_result: dict) -> None:
+    v = cell_result["variants"]
+    assert set(v) == {"adaptive", "vllm@256", "vllm@1024", "tgi@16", "tgi@64"}
+    assert set(v["adaptive"]["runs"]) == set(SLOS), "adaptive's admission follows the SLO: one run per SLO"
+    assert list(v["vllm@256"]["runs"]) == ["ttft1-tpot100"], "an unbounded queue does not depend on the SLO"
+    assert v["vllm@256"]["slo"]["ttft2-tpot75"]["run"] == "ttft1-tpot100"
+    for entry in v.values():
+        for judged in entry["slo"].values():
+            assert judged["arrived"] == cell_result["requests"]
+            assert judged["client_goodput_rps"] <= judged["goodput_rps"]
+    run = v["adaptive"]["runs"]["ttft1-tpot100"]
+    assert run["retries"]["original_requests"] == cell_result["requests"]
+    p = run["prediction"]
+    assert p["n"] > 0 and p["p10"] <= p["p50"] <= p["p90"]
+
+
+def test_the_hindsight_best_is_the_grid_value_with_the_most_goodput(cell_result: dict) -> None:
+    v = cell_result["variants"]
+    for slo in SLOS:
+        for fam, labels in (("vllm", ("vllm@256", "vllm@1024")), ("tgi", ("tgi@16", "tgi@64"))):
+            _, best = best_of(v, fam, slo)
+            assert best["slo"][slo]["goodput_rps"] == max(v[x]["slo"][slo]["goodput_rps"] for x in labels)
+        row = headline_rows([cell_result], slo)[0]
+        overall = best_fixed(cell_result, slo)
+        assert overall is not None and overall[0] == row["best"]
+        assert row["ratio"] == pytest.approx(v["adaptive"]["slo"][slo]["goodput_rps"] / row["best_goodput"], abs=1e-3)
+
+
+def test_a_day_has_24_compressed_hours_with_their_own_table(tmp_path: Path) -> None:
+    window = Window(day_minutes=0.25)
+    cost = CostModel.load(A100)
+    trace = cell_trace(Cell("sharp-day-code", 0.3, A100), cost, unit_config(cost), window)
+    assert trace.duration_s == 24 * 15.0 and "azure-code" in trace.source
+    res = run_cell(Cell("sharp-day-code", 0.3, A100), FAMILIES[:2], {"ttft1-tpot100": SLOS["ttft1-tpot100"]},
+                   window, None)
+    rows = day_hour_rows(res, "ttft1-tpot100")
+    assert [r["hour"] for r in rows] == list(range(24))
+    assert res["variants"]["adaptive"]["runs"]["ttft1-tpot100"]["retries"] is None
+    md = report_markdown([res], {"ttft1-tpot100": SLOS["ttft1-tpot100"]}, "# t\n")
+    assert "### Per hour: sharp-day-code" in md and "| sharp-day-code | x0.3 | a100 |" in md
+    json.dumps(res)  # a cell is plain JSON

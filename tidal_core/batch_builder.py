@@ -1,0 +1,124 @@
+"""The batching policy: what one step holds, decode-first, with chunked prefill, within a budget.
+
+Owns: `BatchBuilder`. A step is filled in one order for every policy:
+
+1. every running decode, one token each (a decode opening a KV block gets one; when KV runs
+   out the most recently admitted running request is preempted and recomputed later, vLLM's
+   order);
+2. unfinished prefill chunks, oldest first;
+3. new requests from the head of the queue (FIFO), when the launch policy (core/microwait.py)
+   says so, while the token budget, the sequence budget, the new-request limit and KV allow.
+   KV for a whole prompt is reserved at admission, so a prefill never stalls half-way.
+
+A prompt that does not fit what is left of the budget is chunked (with chunked prefill on).
+Static batching admits a whole batch at once; its later chunks follow step by step. How many
+tokens the budget holds is the caller's: `max_num_batched_tokens`, or less where the step
+sizer (core/step_sizer.py) or a prefill-token cap says so.
+
+Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tidal_core.budget import StepBudget
+from tidal_core.config import SchedulerConfig
+from tidal_core.kv_blocks import NO_NEW_BLOCK
+from tidal_core.plan import NewRequestData
+from tidal_core.queues import UnitQueues
+from tidal_core.request import Request
+
+NO_PREEMPTIONS: list[Request] = []
+
+
+class BatchBuilder:
+    __slots__ = ("chunked", "new_limit", "queues", "static")
+
+    def __init__(self, config: SchedulerConfig, queues: UnitQueues) -> None:
+        self.queues = queues
+        self.chunked = config.enable_chunked_prefill
+        self.static = config.batching.mode == "static"
+        self.new_limit: float = (config.batching.static_batch_size if self.static
+                                 else (config.max_new_requests_per_step or math.inf))
+
+    def grow_decodes(self, new_block_ids: dict[str, list[int]]) -> list[Request]:
+        """Give every decode opening a new block one; returns the requests preempted for KV."""
+        q = self.queues
+        blocks, decodes = q.blocks, q.decodes
+        group = decodes.needing_block()
+        if not group:
+            return NO_PREEMPTIONS
+        granted = blocks.append_blocks([r.request_id for r in group])
+        if granted is not None:  # the common case: room for the whole phase group at once
+            new_block_ids.update(granted)
+            return NO_PREEMPTIONS
+        preempted: list[Request] = []
+        for req in group:
+            rid = req.request_id
+            while rid in decodes.reqs:
+                block = blocks.append_slot(rid, req.num_tokens)
+                if block is None:
+                    victim = self._pick_victim()
+                    q.preempt(victim)
+                    new_block_ids.pop(victim.request_id, None)
+                    preempted.append(victim)
+                    continue
+                if block != NO_NEW_BLOCK:
+                    new_block_ids[rid] = [block]
+                break
+        return preempted
+
+    def _pick_victim(self) -> Request:
+        """The most recently admitted running request (vLLM's recompute order)."""
+        q = self.queues
+        if q.prefilling:
+            return next(reversed(q.prefilling.values()))
+        return next(reversed(q.decodes.reqs.values()))
+
+    def continue_prefills(self, budget: StepBudget, sched: dict[str, int], prefill_ctx: dict[str, int],
+                          new_reqs: list[NewRequestData]) -> int:
+        q = self.queues
+        total = 0
+        chunked = self.chunked
+        for rid, req in q.prefilling.items():
+            if budget.exhausted:
+                break
+            grant = budget.grant(req.num_tokens - req.num_computed_tokens, chunked)
+            if grant:
+                sched[rid] = grant
+                prefill_ctx[rid] = req.num_computed_tokens
+                budget.charge(grant)
+                total += grant
+                if rid not in q.announced:
+                    q.announce(req, new_reqs)
+        return total
+
+    def admit(self, now: float, budget: StepBudget, sched: dict[str, int], prefill_ctx: dict[str, int],
+              new_reqs: list[NewRequestData], room: float) -> int:
+        """Move waiting requests into the step (FIFO), at most `room` more running requests."""
+        q = self.queues
+        waiting, blocks = q.waiting, q.blocks
+        limit = min(self.new_limit, room)
+        keep_free = blocks.watermark_blocks if (q.decodes.reqs or q.prefilling) else 0
+        chunked, static = self.chunked, self.static
+        admitted = total = 0
+        while waiting and admitted < limit:
+            req = waiting[0]
+            rid = req.request_id
+            need = req.num_tokens
+            grant = budget.grant(need, chunked)
+            if not grant and not static:
+                break
+            if blocks.try_allocate(rid, need, keep_free) is None:
+                break
+            q.start_prefill(req, now)
+            admitted += 1
+            keep_free = blocks.watermark_blocks
+            if grant:
+                sched[rid] = grant
+                prefill_ctx[rid] = 0
+                budget.charge(grant)
+                total += grant
+                q.announce(req, new_reqs)
+        return total

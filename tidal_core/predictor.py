@@ -1,0 +1,68 @@
+"""The TTFT predictor: how long a request arriving now would wait for its first token.
+
+Owns: `TtftPredictor`, the one prediction admission control, the regime detector, routing
+(through `UnitLoad`) and the metrics read, and its measured error. The prediction is
+
+    ttft = (prefill_s + slot_s) x correction
+
+- `prefill_s`: draining the prefill backlog (waiting prompts, unfinished chunks and, for a
+  request's own TTFT, its prompt) at the prefill speed measured while prompts were queued
+  (`PrefillThroughput`); before there is such a measurement, the fitted step model with the
+  decodes sharing each step and `per_step_tokens` of prefill per step;
+- `slot_s`: when the running batch is at its cap, waiting for enough running requests to
+  finish, at the measured completion rate (the capacity estimate before any finish);
+- `correction`: the measured/predicted ratio of recent first tokens (`PredictionCorrection`),
+  which absorbs what the simple queueing model misses (the step sizer throttling prefill,
+  bursts of long prompts).
+
+`observe` feeds a finished prefill back: it trains the correction with the raw prediction
+and keeps the ratio predicted/measured (the corrected prediction admission acted on) so a
+driver can report its spread.
+
+Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
+"""
+
+from __future__ import annotations
+
+from tidal_core.load import LoadEstimator
+from tidal_core.request import Request
+
+
+class TtftPredictor:
+    __slots__ = ("load", "num_observed", "ratio_sum")
+
+    def __init__(self, load: LoadEstimator) -> None:
+        self.load = load
+        self.num_observed = 0
+        self.ratio_sum = 0.0
+
+    def predict(self, now: float, backlog_tokens: int, num_decodes: int, slots_short: int, per_step_tokens: int,
+                corrected: bool = True) -> float:
+        """Seconds until `backlog_tokens` of prompts are computed, plus the wait for a batch slot
+        when `slots_short` requests more than the free room must leave the running batch first."""
+        load = self.load
+        measured = load.prefill.rate(now)
+        if measured is not None:
+            prefill_s = backlog_tokens / measured
+        else:
+            prefill_s = load.service.drain_time(backlog_tokens, num_decodes, max(1, per_step_tokens))
+        slot_s = slots_short / load.departure_rate(now) if slots_short > 0 else 0.0
+        return (prefill_s + slot_s) * (load.ttft_correction.factor(now) if corrected else 1.0)
+
+    def on_first_token(self, req: Request, now: float) -> None:
+        """`req` got its first token at `now`: stamp it, with the prediction's error."""
+        req.first_token_s = now
+        if req.raw_predicted_ttft_s is not None:
+            req.ttft_prediction_ratio = self.observe(now, req.raw_predicted_ttft_s, req.predicted_ttft_s,
+                                                     now - req.arrival_s)
+
+    def observe(self, now: float, raw_predicted_s: float, predicted_s: float | None, measured_s: float) -> float | None:
+        """A first token came `measured_s` after arrival. Returns predicted/measured (None if
+        it cannot be formed) and trains the correction with the raw prediction."""
+        self.load.ttft_correction.observe(now, raw_predicted_s, measured_s)
+        if predicted_s is None or measured_s <= 0.0:
+            return None
+        ratio = predicted_s / measured_s
+        self.num_observed += 1
+        self.ratio_sum += ratio
+        return ratio

@@ -1,0 +1,200 @@
+"""A unit's requests and where each one is: waiting, prefilling or decoding.
+
+Owns: `UnitQueues` (single writer: the Scheduler) - the FIFO of waiting requests, the
+prefilling requests in admission order, the `DecodeSet`, the KV block tables
+(`BlockManager`), the token counts that make the backlog O(1) to read, which requests the
+executor knows (announced / to forget), the stop-token index, and `check_integrity`, every
+invariant these must keep. Moving a request between places is done here and nowhere else.
+
+Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+
+from tidal_core.config import SchedulerConfig
+from tidal_core.decode_set import DecodeSet
+from tidal_core.kv_blocks import BlockManager
+from tidal_core.plan import NewRequestData, StepPlan
+from tidal_core.request import FinishReason, Request, RequestStatus
+
+
+class UnitQueues:
+    __slots__ = ("_stop_counts", "announced", "blocks", "decodes", "pending_finished", "prefill_remaining",
+                 "prefilling", "requests", "stop_set", "waiting", "waiting_tokens")
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.kv_watermark)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.prefilling: dict[str, Request] = {}
+        self.decodes = DecodeSet(config.block_size, config.max_model_len)
+        self.waiting_tokens = 0
+        self.prefill_remaining = 0  # prompt tokens of admitted requests not yet computed
+        self.announced: set[str] = set()
+        self.pending_finished: list[str] = []
+        self._stop_counts: Counter[int] = Counter()
+        self.stop_set: frozenset[int] = frozenset()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.decodes.reqs) + len(self.prefilling)
+
+    def oldest_arrival_s(self) -> float:
+        """Arrival of the oldest request whose prompt is not computed yet (inf with none)."""
+        oldest = next(iter(self.prefilling.values())).arrival_s if self.prefilling else math.inf
+        return min(oldest, self.waiting[0].arrival_s) if self.waiting else oldest
+
+    def enqueue(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        self.waiting_tokens += req.num_tokens
+        if req.stop_ids:
+            before = len(self._stop_counts)
+            self._stop_counts.update(req.stop_ids)
+            if len(self._stop_counts) != before:
+                self.stop_set = frozenset(self._stop_counts)
+
+    def start_prefill(self, req: Request, now: float) -> None:
+        """The head of the queue was admitted into a step (its KV is already reserved)."""
+        self.waiting.popleft()
+        need = req.num_tokens
+        self.waiting_tokens -= need
+        self.prefill_remaining += need
+        req.status = RequestStatus.RUNNING
+        if req.admitted_s is None:
+            req.admitted_s = now
+        self.prefilling[req.request_id] = req
+
+    def announce(self, req: Request, new_reqs: list[NewRequestData]) -> None:
+        rid = req.request_id
+        self.announced.add(rid)
+        new_reqs.append(NewRequestData(rid, req.all_token_ids(), req.num_tokens, req.sampling,
+                                       list(self.blocks.table(rid))))
+
+    def preempt(self, req: Request) -> None:
+        """Free `req`'s KV and put it back at the head of the queue (recompute)."""
+        rid = req.request_id
+        if rid in self.decodes:
+            self.decodes.remove(rid)
+        else:
+            del self.prefilling[rid]
+            self.prefill_remaining -= req.num_tokens - req.num_computed_tokens
+        self.blocks.free(rid)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self.waiting_tokens += req.num_tokens
+        self._forget_executor_state(rid)
+
+    def remove(self, req: Request, reason: FinishReason, now: float) -> None:
+        """`req` ends: out of whichever place holds it, its KV freed, its status final."""
+        rid = req.request_id
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+            self.waiting_tokens -= req.num_tokens - req.num_computed_tokens
+        elif rid in self.decodes:
+            self.decodes.remove(rid)
+            req.num_computed_tokens = req.num_tokens - 1
+        elif self.prefilling.pop(rid, None) is not None:
+            self.prefill_remaining -= req.num_tokens - req.num_computed_tokens
+        self.blocks.free(rid)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finished_s = now
+        del self.requests[rid]
+        if req.stop_ids:
+            counts = self._stop_counts
+            counts.subtract(req.stop_ids)
+            gone = [t for t in req.stop_ids if counts[t] <= 0]
+            if gone:
+                for t in gone:
+                    del counts[t]
+                self.stop_set = frozenset(counts)
+        self._forget_executor_state(rid)
+
+    @staticmethod
+    def hit_stop(req: Request, tok: int) -> bool:
+        return tok in req.stop_ids and len(req.output_token_ids) >= req.sampling.min_tokens
+
+    def stop_hits(self, sampled: dict[str, int]) -> list[Request]:
+        """Decodes whose sampled token ends them (a stop token, `min_tokens` reached)."""
+        stop_set, reqs = self.stop_set, self.decodes.reqs
+        if not stop_set:
+            return []
+        hits = (reqs.get(rid) for rid, tok in sampled.items() if tok in stop_set)
+        return [r for r in hits if r is not None and self.hit_stop(r, sampled[r.request_id])]
+
+    def complete_prefills(self, plan: StepPlan, sampled: dict[str, int]) -> tuple[int, list[Request]]:
+        """Apply a step's prefill chunks: returns the prompt tokens computed and the requests
+        whose prompt is now complete, out of `prefilling`, each with its sampled token."""
+        prefilling, scheduled = self.prefilling, plan.num_scheduled_tokens
+        computed, done = 0, []
+        for rid in plan.prefill_context:
+            req = prefilling.get(rid)
+            if req is None:  # aborted during the step
+                continue
+            n = scheduled[rid]
+            req.num_computed_tokens += n
+            computed += n
+            if req.num_computed_tokens < req.num_tokens:
+                continue
+            tok = sampled.get(rid)
+            if tok is None:
+                raise AssertionError(f"executor sampled no token for {rid} at the end of its prefill")
+            del prefilling[rid]
+            req.output_token_ids.append(tok)
+            done.append(req)
+        self.prefill_remaining -= computed
+        return computed, done
+
+    def _forget_executor_state(self, rid: str) -> None:
+        if rid in self.announced:
+            self.announced.discard(rid)
+            self.pending_finished.append(rid)
+
+    def check_integrity(self) -> None:
+        """Every invariant the scheduler relies on; tests call it after every operation."""
+        blocks = self.blocks
+        blocks.check_integrity()
+        self.decodes.check_integrity()
+        waiting_ids = [r.request_id for r in self.waiting]
+        groups = (set(waiting_ids), set(self.prefilling), set(self.decodes.reqs))
+        if len(waiting_ids) != len(groups[0]):
+            raise AssertionError("a request is queued twice")
+        if sum(map(len, groups)) != len(self.requests) or set().union(*groups) != set(self.requests):
+            raise AssertionError("waiting, prefilling and decoding do not partition the live requests")
+        for req in self.waiting:
+            held = blocks.num_blocks_of(req.request_id)
+            if req.status is not RequestStatus.WAITING or req.num_computed_tokens or held:
+                raise AssertionError(f"waiting {req} is not pristine")
+        for req in self.prefilling.values():
+            held = blocks.num_blocks_of(req.request_id)
+            if req.status is not RequestStatus.RUNNING or held != blocks.blocks_for(req.num_tokens):
+                raise AssertionError(f"prefilling {req} does not hold exactly its prompt's blocks")
+            if not 0 <= req.num_computed_tokens < req.num_tokens:
+                raise AssertionError(f"prefilling {req} has an impossible computed count")
+        for req in self.decodes.reqs.values():
+            held = blocks.num_blocks_of(req.request_id)
+            fits = blocks.blocks_for(req.num_tokens - 1) <= held <= blocks.blocks_for(req.num_tokens)
+            if req.status is not RequestStatus.RUNNING or not fits:
+                raise AssertionError(f"decoding {req} holds {held} blocks for {req.num_tokens} tokens")
+            if len(req.output_token_ids) >= self.decodes.length_limit(req):
+                raise AssertionError(f"{req} is past its length limit but still decodes")
+        used = sum(blocks.num_blocks_of(rid) for rid in self.requests)
+        if used != blocks.num_used_blocks:
+            raise AssertionError(f"{blocks.num_used_blocks} blocks in use but live requests hold {used}")
+        if self.waiting_tokens != sum(r.num_tokens - r.num_computed_tokens for r in self.waiting):
+            raise AssertionError("waiting token count drifted")
+        if self.prefill_remaining != sum(r.num_tokens - r.num_computed_tokens for r in self.prefilling.values()):
+            raise AssertionError("prefill backlog count drifted")
+        expected = Counter[int]()
+        for req in self.requests.values():
+            expected.update(req.stop_ids)
+        if +expected != +self._stop_counts or self.stop_set != frozenset(+expected):
+            raise AssertionError("stop-token index drifted")
+        if not self.announced <= set(self.requests):
+            raise AssertionError("executor state announced for requests that are gone")
