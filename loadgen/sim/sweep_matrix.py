@@ -112,8 +112,8 @@ class Cell:
 class Window:
     """How much of each trace a cell plays."""
 
-    minutes: float = 20.0
-    day_minutes: float = 5.0
+    minutes: float = 10.0
+    day_minutes: float = 2.5
     seed: int = 0
     _capacity: dict[tuple[str, str], float] = field(default_factory=dict)
 

@@ -153,7 +153,7 @@ def _summary_line(rows: list[dict[str, Any]]) -> str:
     ratios = [r["ratio"] for r in rows if r.get("ratio") is not None]
     if not ratios:
         return "No cell has a ratio.\n"
-    below = [f"{r['trace']} {r['rate']} {r['gpu']} ({r['ratio']:.2f})" for r in rows
+    below = [f"{r['trace']} {r['rate']} {r['gpu']} ({r['ratio']:.3f})" for r in rows
              if r.get("ratio") is not None and r["ratio"] < GOAL]
     return (f"{len(ratios)} cells; adaptive / hindsight-best fixed: min {min(ratios):.3f}, median "
             f"{sorted(ratios)[len(ratios) // 2]:.3f}, max {max(ratios):.3f}; {len(ratios) - len(below)} of "
