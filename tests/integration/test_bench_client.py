@@ -9,7 +9,7 @@ Hugging Face cache, so the served model's tokenizer files are laid out as such a
 temporary HF_HOME.
 
 This file sorts before the other integration tests on purpose: it starts its own Ray instance
-(through `serve run`), which is gone before the session's shared cluster starts.
+(through `serve run`), which is gone before the shared pytest cluster of conftest.py starts.
 """
 
 from __future__ import annotations
