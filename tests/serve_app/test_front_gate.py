@@ -19,7 +19,7 @@ from serve_app.ingress import HandleEngineClient, build_app
 from serve_app.openai.errors import OpenAIError
 from serve_app.openai.server import OpenAIServer
 from serve_app.unit_api import GenerateChunk, GenerateRequest
-from tests.serve_app.openai_fakes import FakeEngine, smollm2_tokenizer
+from tests.serve_app.openai_fakes import FakeEngine
 from tests.serve_app.test_engine_loop import CFG, AsyncFake, collect
 from tests.serve_app.test_ingress_errors import INFO, FakeHandle, FakeResponse
 from tidal_core import AdmissionConfig, Regime, SamplingParams, Scheduler, UnitLoad, preset
@@ -29,16 +29,6 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 BUSY = UnitLoad("u1", num_running=40, num_waiting=30, queue_delay_s=6.0, kv_usage=0.2, capacity_rps=4.0,
                 regime=Regime.OVERLOAD, prefill_s_per_token=1e-4)
 IDLE = UnitLoad("u1", 0, 0, 0.0, 0.0, capacity_rps=4.0)
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return smollm2_tokenizer()
 
 
 class Clock:

@@ -22,20 +22,10 @@ from serve_app.openai.sampling_defaults import (
 )
 from serve_app.openai.server import OpenAIServer
 from serve_app.unit_api import EngineError, GenerateChunk, GenerateRequest
-from tests.serve_app.openai_fakes import MODEL, FakeEngine, smollm2_tokenizer
+from tests.serve_app.openai_fakes import MODEL, FakeEngine
 
 pytestmark = pytest.mark.anyio
 MESSAGES = [{"role": "user", "content": "Hi"}]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return smollm2_tokenizer()
 
 
 def make(tok: Any, engine: FakeEngine | None = None, defaults: SamplingDefaults | None = None,
