@@ -114,6 +114,8 @@ class FrontAdmission:
             retry = load.num_waiting / load.capacity_rps if load.capacity_rps > 0 else cfg.min_retry_after_s
             return self._refuse(load, "queue_full", retry,
                                 f"{load.num_waiting} requests are already queued (limit {cfg.max_queue_len})")
+        if cfg.mode == "protect":  # a dev server queues: only a full queue is refused, as the unit does
+            return None
         # The snapshot's queue drained since (at most in real time), plus what was sent since, which
         # does not drain before it arrives.
         ahead_s = max(0.0, load.queue_delay_s - age_s) + max(0.0, pending_s)

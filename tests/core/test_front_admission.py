@@ -163,3 +163,16 @@ def test_without_a_rate_the_units_estimate_is_used_and_bad_draws_are_refused() -
         spread.delay_s(0.0, 1.0, 1.0, u=1.0)
     with pytest.raises(ValueError, match="max_s=0"):
         RetrySpread(max_s=0.0)
+
+
+def test_protect_mode_refuses_only_a_full_queue_as_the_unit_does() -> None:
+    """A dev server (admission mode 'protect') queues: the front end must not refuse on a TTFT
+    prediction or KV pressure where the unit would not."""
+    protect = FrontAdmission(AdmissionConfig(target_ttft_s=1.0, max_queue_len=10, mode="protect"))
+    backed_up = UnitLoad("u", 4, 9, 30.0, 0.99, capacity_rps=1.0, regime=Regime.OVERLOAD, prefill_s_per_token=1e-3)
+    assert protect.unit_verdict(backed_up, 0.0, 4000) is None
+    full = dataclasses.replace(backed_up, num_waiting=10)
+    refusal = protect.unit_verdict(full, 0.0, 10)
+    assert refusal is not None and refusal.reason == "queue_full"
+    slo = FrontAdmission(AdmissionConfig(target_ttft_s=1.0, max_queue_len=10))
+    assert slo.unit_verdict(backed_up, 0.0, 4000) is not None  # the same snapshot, production rules
