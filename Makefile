@@ -30,8 +30,10 @@ $(STAMP): pyproject.toml Makefile
 model: setup
 	$(PY) -m actors.model_loader --prepare smollm2-135m-instruct
 
+# The front-door gate runs in Serve's proxy too (serve_app/proxy_gate.py): Serve reads this
+# variable when it starts the proxy, so it is set here for the cluster `serve run` starts.
 serve: setup model
-	$(VENV)/bin/serve run configs/local.yaml
+	RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=serve_app.proxy_gate:middlewares $(VENV)/bin/serve run configs/local.yaml
 
 # NVIDIA's AIPerf benchmark client, for the third-party-client test (tests/integration/test_bench_client.py).
 # Its own virtualenv: it pins its own versions of much of the scientific stack (pandas, pillow, rich...).
