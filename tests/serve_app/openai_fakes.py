@@ -131,3 +131,26 @@ def assert_openai_error(resp: httpx.Response, status: int, param: str | None = N
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["param"] == param
     return dict(body["error"])
+
+
+async def raw_post(app: Any, path: str, body: bytes, content_length: int) -> tuple[list[dict[str, Any]], int]:
+    """POST straight through the ASGI app: the messages it sent and how many times it read the
+    body (what an httpx client cannot show: whether the app read the body at all)."""
+    reads = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal reads
+        reads += 1
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(content_length).encode())],
+             "client": ("127.0.0.1", 1), "server": ("ingress", 80)}
+    await app(scope, receive, send)
+    return sent, reads

@@ -19,7 +19,7 @@ from serve_app.ingress import HandleEngineClient, build_app
 from serve_app.openai.errors import OpenAIError
 from serve_app.openai.server import OpenAIServer
 from serve_app.unit_api import GenerateChunk, GenerateRequest
-from tests.serve_app.openai_fakes import FakeEngine
+from tests.serve_app.openai_fakes import FakeEngine, raw_post
 from tests.serve_app.test_engine_loop import CFG, AsyncFake, collect
 from tests.serve_app.test_ingress_errors import INFO, FakeHandle, FakeResponse
 from tidal_core import AdmissionConfig, Regime, SamplingParams, Scheduler, UnitLoad, preset
@@ -70,24 +70,8 @@ async def test_a_busy_units_snapshot_refuses_at_the_door_without_calling_the_eng
 async def test_a_refusal_does_not_read_the_body(tok: Any) -> None:
     app, _, gate, _ = gated_app(tok)
     gate.observe(BUSY)
-    read = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal read
-        read = True
-        return {"type": "http.request", "body": b"{}", "more_body": False}
-
-    sent: list[dict[str, Any]] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "root_path": "", "query_string": b"",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", b"2")],
-             "client": ("127.0.0.1", 1), "server": ("ingress", 80)}
-    await app(scope, receive, send)
-    assert sent[0]["status"] == 429 and not read
+    sent, reads = await raw_post(app, "/v1/chat/completions", b"{}", 2)
+    assert sent[0]["status"] == 429 and reads == 0
 
 
 async def test_idle_stale_or_absent_snapshots_let_requests_through(tok: Any) -> None:

@@ -17,7 +17,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from serve_app.ingress import HandleEngineClient, build_app
 from serve_app.openai.server import OpenAIServer
 from serve_app.unit_api import EngineError, GenerateChunk, GenerateRequest, ModelInfo
-from tests.serve_app.openai_fakes import CHAT, MODEL, FakeEngine, assert_openai_error, client, make_app
+from tests.serve_app.openai_fakes import CHAT, MODEL, FakeEngine, assert_openai_error, client, make_app, raw_post
 from tidal_core.request import SamplingParams
 
 pytestmark = pytest.mark.anyio
@@ -88,23 +88,7 @@ async def test_non_json_content_type_is_415(tok: Any) -> None:
 
 async def test_oversized_body_is_413_by_content_length_without_reading_it(tok: Any) -> None:
     app, _ = make_app(tok, max_body_bytes=2048)
-    reads = 0
-
-    async def receive() -> dict[str, Any]:
-        nonlocal reads
-        reads += 1
-        return {"type": "http.request", "body": b"x" * 4096, "more_body": False}
-
-    sent: list[dict[str, Any]] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/completions", "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", b"4096")],
-             "server": ("ingress", 80), "client": ("c", 1)}
-    await app(scope, receive, send)
+    sent, reads = await raw_post(app, "/v1/completions", b"x" * 4096, 4096)
     assert sent[0]["status"] == 413 and reads == 0
     assert json.loads(sent[1]["body"])["error"]["code"] == "request_too_large"
 
