@@ -215,6 +215,7 @@ class SchedulerConfig:
     num_kv_blocks: int = 8192
     kv_watermark: float = 0.01
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
     max_new_requests_per_step: int | None = None
     max_prefill_tokens: int | None = None  # prefill tokens per step (TGI's max_batch_prefill_tokens)
     cuda_graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)

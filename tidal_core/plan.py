@@ -24,7 +24,9 @@ class NewRequestData:
     """A request an executor has not seen (admitted, or resumed after preemption).
 
     `token_ids` is prompt plus any tokens generated before a preemption (None in simulation);
-    `block_ids` is its whole block table so far.
+    `block_ids` is its whole block table so far. `num_computed_tokens` is how many leading
+    tokens already have KV in the first blocks of `block_ids` (a prefix-cache hit: blocks
+    another request computed); the executor computes nothing for them and starts there.
     """
 
     request_id: str
@@ -32,6 +34,7 @@ class NewRequestData:
     num_tokens: int
     sampling: SamplingParams
     block_ids: list[int]
+    num_computed_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,6 +87,7 @@ class Request:
         "finish_reason",
         "finished_s",
         "first_token_s",
+        "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
@@ -124,6 +125,8 @@ class Request:
         self.arrival_s = arrival_s
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Prompt tokens whose KV came from the prefix cache at admission (never recomputed).
+        self.num_cached_tokens = 0
         self.output_token_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.admitted_s: float | None = None
