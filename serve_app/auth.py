@@ -113,6 +113,32 @@ def gate_from_args(args: Mapping[str, Any] | None, env_keys: list[str], *, metri
     return gate
 
 
+SECURITY_SCHEME = "apiKey"
+
+
+def document_auth(schema: dict[str, Any], gate: ApiKeyGate, error_schema_ref: str) -> None:
+    """Declare the key check in an OpenAPI schema: an HTTP bearer scheme, required by every
+    operation outside `open_paths`, each of which may answer 401 `invalid_api_key` (and 429
+    `rate_limit_exceeded`, documented with the overload 429)."""
+    components = schema.setdefault("components", {})
+    components.setdefault("securitySchemes", {})[SECURITY_SCHEME] = {
+        "type": "http", "scheme": "bearer",
+        "description": "An API key of this server, sent as `Authorization: Bearer <key>`."}
+    for path, operations in schema.get("paths", {}).items():
+        if path in gate.open_paths:
+            continue
+        for operation in operations.values():
+            operation["security"] = [{SECURITY_SCHEME: []}]
+            operation.setdefault("responses", {})["401"] = {
+                "description": "Missing, malformed or unknown API key (`invalid_api_key`)",
+                "content": {"application/json": {"schema": {"$ref": error_schema_ref}}}}
+            if "429" not in operation["responses"]:
+                operation["responses"]["429"] = {
+                    "description": "The key's requests or tokens per minute are used up "
+                                   "(`rate_limit_exceeded`); see Retry-After",
+                    "content": {"application/json": {"schema": {"$ref": error_schema_ref}}}}
+
+
 def _gate(scope: Scope) -> ApiKeyGate | None:
     state = getattr(scope.get("app"), "state", None)
     gate: ApiKeyGate | None = getattr(state, "auth_gate", None)

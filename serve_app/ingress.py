@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from serve_app.auth import ApiKeyGate, ApiKeyMiddleware, gate_from_args
+from serve_app.auth import ApiKeyGate, ApiKeyMiddleware, document_auth, gate_from_args
 from serve_app.front_gate import FrontGate, FrontGateMiddleware, gate_headers
 from serve_app.key_usage import MeteredEngine
 from serve_app.openai.errors import OpenAIError, from_engine_error, server_error, unavailable
@@ -207,7 +207,8 @@ def build_app(server: OpenAIServer | None = None, max_body_bytes: int = DEFAULT_
 
 
 def _document_400_not_422(app: FastAPI) -> None:
-    """FastAPI documents 422 for every body; our validation errors are OpenAI's 400."""
+    """FastAPI documents 422 for every body; our validation errors are OpenAI's 400. With API keys
+    configured, the schema also declares the bearer scheme and the 401 (serve_app/auth.py)."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -218,6 +219,8 @@ def _document_400_not_422(app: FastAPI) -> None:
                     operation.get("responses", {}).pop("422", None)
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
+            if (gate := getattr(app.state, "auth_gate", None)) is not None:
+                document_auth(schema, gate, "#/components/schemas/ErrorResponse")
             app.openapi_schema = schema
         return app.openapi_schema
 
