@@ -83,6 +83,8 @@ def expected(path: str, answer: str) -> bool:
     got_status, _, got_code = answer.partition(" ")
     if code == "admission":
         return got_status == "429" and got_code in ADMISSION_CODES
+    if code == "rate_limit_exceeded" and got_status == "429" and got_code in ADMISSION_CODES:
+        return True  # overloaded: the proxy's admission gate answers a valid key before the ingress's RPM
     return got_status == str(status) and (code is None or got_code == code)
 
 
@@ -157,11 +159,14 @@ def main() -> int:
         result = {
             "machine": machine(), "n_per_path": args.n * args.concurrency, "concurrency": args.concurrency,
             "paths": figures,
-            "p99_ratio_401_over_overload_429": round(figures["401 wrong key"]["p99_ms"]
+            "p99_ratio_401_over_overload_429": round(max(figures["401 wrong key"]["p99_ms"],
+                                                        figures["401 no key"]["p99_ms"])
                                                     / figures["429 overload (unit)"]["p99_ms"], 3),
             "unit_arrivals_during_measurement": arrived,
-            "passed_the_ingress_with_a_valid_key": passed,
-            "arrivals_without_valid_key": arrived - passed,
+            "valid_key_requests_not_refused_at_a_key_check": passed,
+            # Arrivals at the unit beyond the valid-key requests that could have reached it: 0 means no
+            # request without a valid key did (the overload 429s are mostly the proxy's now, so fewer arrive).
+            "arrivals_beyond_valid_key_requests": max(0, arrived - passed),
             "fillers_alive": sum(t.is_alive() for t in fillers),
         }
     args.out.mkdir(parents=True, exist_ok=True)

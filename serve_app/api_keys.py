@@ -106,6 +106,12 @@ class KeyStore:
             self.reload(now)
         return self.keys.lookup(presented)
 
+    def current(self, now: float) -> KeySet:
+        """The accepted keys now (re-reading the file when due): what a proxy gate copies."""
+        if now >= self._next_check:
+            self.reload(now)
+        return self.keys
+
     def reload(self, now: float) -> bool:
         """Re-read the keys file if it changed; True when the accepted keys changed."""
         self._next_check = now + self.reload_period_s

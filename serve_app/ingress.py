@@ -381,11 +381,14 @@ class Ingress:
         self.auth_gate = gate_from_args(model if isinstance(model, Mapping) else None, env_api_keys())
         if self.auth_gate is not None:
             engine = MeteredEngine(engine, self.auth_gate.usage)
-        # --- end API keys ---
         self.server = OpenAIServer(engine, tokenizer, model_aliases=aliases, request_timeout_s=timeout,
                                    sampling_defaults=sampling)
         logger.info("ingress ready: model %r (aliases %s), max_model_len %d, sampling defaults %s", info.model_id,
                     aliases, info.max_model_len, sampling.describe())
+
+    async def key_digests(self) -> Any:
+        """The accepted keys as digests and ids (never a key), for the proxy's gate; None: no keys."""
+        return None if self.auth_gate is None else self.auth_gate.store.current(self.auth_gate.usage.clock())
 
     def __serve_build_asgi_app__(self) -> Any:
         # Serve calls this after __init__ with the frozen copy of `app` already attached.

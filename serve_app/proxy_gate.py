@@ -10,6 +10,13 @@ actor call to the ingress replica) and the ingress replica's are what a burst qu
 any gate in the ingress runs (docs/reliability.md, the burst section). Requests the proxy lets
 through meet the ingress's gate and then the unit's admission, the final authority.
 
+API keys first: for an application whose Ingress checks keys (serve_app/auth.py), the gate
+copies the Ingress's accepted keys as digests and ids (never a key; re-read every 2 s, so a
+rotation reaches it within the Ingress's reload period plus 2 s) and answers a missing or unknown
+key with the Ingress's own canonical 401 before any admission verdict: a caller without a valid
+key never learns the server's load, and a 429 always means a known caller. Until the digests
+arrive, requests go on to the Ingress, which checks them itself (fail closed there).
+
 How it sees the units: every 2 s the applications with a `ServingUnit` deployment and their route
 prefixes are read from the controller; each gets a gate that polls its unit's `load_stats` every
 0.1 s. The proxy never sees a unit's verdict, so the requests on the way are counted from the
@@ -33,12 +40,15 @@ from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serve_app.api_keys import KeySet
+from serve_app.auth import INVALID_KEY, UNAUTHORIZED_HEADERS, bearer_token
 from serve_app.front_gate import REFUSED_BY, FrontGate, gate_headers
 from serve_app.openai.http_limits import JSON_ENDPOINTS, error_response
 
 logger = logging.getLogger("ray.serve")  # the proxy's own log (logs/serve/proxy_*.log)
 REFRESH_APPS_S = 2.0
 UNIT_DEPLOYMENT = "ServingUnit"
+INGRESS_DEPLOYMENT = "Ingress"
 
 
 def middlewares() -> list[Middleware]:
@@ -50,6 +60,8 @@ class ProxyGateMiddleware:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self.gates: dict[str, tuple[str, FrontGate]] = {}  # route prefix -> (application, its gate)
+        self.keys: dict[str, KeySet] = {}  # application -> its Ingress's accepted keys (digests)
+        self._auth_failures: Any = None
         self._task: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -58,10 +70,18 @@ class ProxyGateMiddleware:
             return
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._refresh_apps())
-        gate = self._gate_for(scope) if scope["method"] == "POST" else None
-        if gate is None:
+        found = self._gate_for(scope) if scope["method"] == "POST" else None
+        if found is None:
             await self.app(scope, receive, send)
             return
+        name, gate = found
+        if (keys := self.keys.get(name)) is not None:  # the same work and answer as the Ingress's check
+            token = bearer_token(scope.get("headers") or ())
+            key = keys.lookup(token if token is not None else b"")
+            if token is None or key is None:
+                self._count_auth_failure()
+                await error_response(INVALID_KEY, UNAUTHORIZED_HEADERS)(scope, receive, send)
+                return
         length = Headers(scope=scope).get("content-length", "")
         err = gate.refusal(int(length) if length.isdigit() else 0)
         if err is not None:
@@ -82,18 +102,38 @@ class ProxyGateMiddleware:
         finally:
             gate.release()
 
-    def _gate_for(self, scope: Scope) -> FrontGate | None:
+    def _gate_for(self, scope: Scope) -> tuple[str, FrontGate] | None:
         path = str(scope.get("path", ""))
-        for prefix, (_, gate) in sorted(self.gates.items(), key=lambda kv: -len(kv[0])):
+        for prefix, found in sorted(self.gates.items(), key=lambda kv: -len(kv[0])):
             root = prefix.rstrip("/")
             if path.startswith(root + "/") and path[len(root):] in JSON_ENDPOINTS:
-                return gate
+                return found
         return None
+
+    def _count_auth_failure(self) -> None:
+        if self._auth_failures is None:
+            from ray.util import metrics as ray_metrics
+
+            from serve_app.metric_defs import AUTH_FAILURES as D
+
+            self._auth_failures = ray_metrics.Counter(D.name, description=D.description, tag_keys=D.tag_keys)
+        self._auth_failures.inc(1)
+
+    async def _refresh_keys(self) -> None:
+        from ray import serve
+
+        for name, _ in list(self.gates.values()):
+            keys = await serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=name).key_digests.remote()
+            if keys is None:
+                self.keys.pop(name, None)
+            else:
+                self.keys[name] = keys
 
     async def _refresh_apps(self) -> None:
         while True:
             try:
                 await self._sync_apps(await asyncio.to_thread(_tidal_apps))
+                await self._refresh_keys()
             except asyncio.CancelledError:
                 raise
             except Exception:  # the controller is busy or restarting: keep the gates we have
@@ -104,7 +144,8 @@ class ProxyGateMiddleware:
         from ray import serve
 
         for prefix in [p for p, (name, _) in self.gates.items() if apps.get(name) != p]:
-            _, gone = self.gates.pop(prefix)
+            gone_name, gone = self.gates.pop(prefix)
+            self.keys.pop(gone_name, None)
             await gone.stop()
         for name, prefix in apps.items():
             if prefix in self.gates:

@@ -104,7 +104,8 @@ def test_burst_over_rpm_is_cut_at_the_limit(keyed_server_url: str) -> None:
                                 range(n)))
     ok = [r for r in replies if r.status_code == 200]
     limited = [r for r in replies if r.status_code == 429]
-    assert len(ok) == BURST_RPM and len(limited) == n - BURST_RPM, [r.status_code for r in replies]
+    assert len(ok) == BURST_RPM and len(limited) == n - BURST_RPM, [
+        (r.status_code, r.headers.get("x-tidal-refused-by"), r.text[:120]) for r in replies if r.status_code != 200]
     for r in limited:
         err = r.json()["error"]
         assert err["code"] == "rate_limit_exceeded" and err["type"] == "requests"

@@ -235,6 +235,49 @@ async def test_the_proxy_gate_refuses_by_route_and_releases_at_the_response_star
     assert [m.cls for m in middlewares()] == [ProxyGateMiddleware]
 
 
+async def test_the_proxy_gate_checks_api_keys_before_any_admission_verdict() -> None:
+    from serve_app.api_keys import KeySet
+    from serve_app.auth import INVALID_KEY, UNAUTHORIZED_HEADERS
+    from serve_app.openai.http_limits import error_response
+    from serve_app.proxy_gate import ProxyGateMiddleware
+
+    forwarded: list[str] = []
+
+    async def downstream(scope: Any, receive: Any, send: Any) -> None:
+        forwarded.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    class Count:
+        n = 0
+
+        def inc(self, value: float) -> None:
+            self.n += int(value)
+
+    proxy = ProxyGateMiddleware(downstream)
+    proxy._task = asyncio.get_running_loop().create_future()
+    proxy._auth_failures = failures = Count()
+    gate = FrontGate(AdmissionConfig(target_ttft_s=1.0), rng=random.Random(0))
+    proxy.gates["/sim"] = ("sim", gate)
+    proxy.keys["sim"] = KeySet.of(["tk-proxy-good-1"])
+    canonical = error_response(INVALID_KEY, UNAUTHORIZED_HEADERS)
+    c = httpx.AsyncClient(transport=httpx.ASGITransport(proxy), base_url="http://proxy")
+    good = {"Authorization": "Bearer tk-proxy-good-1"}
+    async with c:
+        gate.observe(BUSY)  # overloaded: still, a caller without a valid key learns only that
+        refused = [await c.post("/sim/v1/chat/completions", json=CHAT, headers=h)
+                   for h in ({}, {"Authorization": "Bearer tk-proxy-bad"}, {"Authorization": "tk-proxy-good-1"})]
+        busy = await c.post("/sim/v1/chat/completions", json=CHAT, headers=good)
+        gate.observe(IDLE)
+        served = await c.post("/sim/v1/chat/completions", json=CHAT, headers=good)
+        health = await c.get("/sim/health")  # not gated at the proxy: the Ingress decides
+    assert {(r.status_code, r.content, r.headers["www-authenticate"]) for r in refused} == {
+        (401, canonical.body, UNAUTHORIZED_HEADERS["WWW-Authenticate"])}
+    assert failures.n == 3
+    assert busy.status_code == 429 and served.status_code == 200 and health.status_code == 200
+    assert forwarded == ["/sim/v1/chat/completions", "/sim/health"]
+
+
 def test_requests_answered_without_reaching_a_unit_do_not_stay_on_the_way() -> None:
     import contextvars
 
