@@ -156,8 +156,10 @@ class StepSizingConfig:
     `max_bank_steps` aims. A decode may borrow against the tokens it is still expected to
     produce: the `borrow_quantile` of what finished requests produced past that point (0:
     never); when the oldest prompt has waited `pressure_fraction` of the TTFT target, the
-    `pressure_quantile` instead. Off (`enabled=False`) or without a TPOT target, steps are
-    bounded only by the token budget.
+    `pressure_quantile` instead. In OVERLOAD nothing is borrowed, unless `overload_borrow`
+    (then the `borrow_quantile` table, never the pressure one; benchmarks/RESULTS.md has the
+    trade-off: more goodput on long-prompt traffic, TPOT p99 over the target on one cell).
+    Off (`enabled=False`) or without a TPOT target, steps are bounded only by the token budget.
     """
 
     enabled: bool = True
@@ -167,6 +169,7 @@ class StepSizingConfig:
     borrow_quantile: float = 0.01
     pressure_quantile: float = 0.05
     pressure_fraction: float = 0.5
+    overload_borrow: bool = False
 
     def __post_init__(self) -> None:
         _require(self.borrow_quantile <= self.pressure_quantile <= 1.0,

@@ -60,7 +60,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.last_load = 0.0
         self._prefill_cap = config.max_prefill_tokens or math.inf
-        self._pressure_s = sizing.pressure_fraction * adm.target_ttft_s
+        self._pressure_s, self._borrow_over = sizing.pressure_fraction * adm.target_ttft_s, sizing.overload_borrow
         self._inflight: StepPlan | None = None
         self._aborted_inflight: set[str] = set()
         self._step_id = 0
@@ -257,11 +257,13 @@ class Scheduler:
         self._running_cap = cap
 
     def _prefill_allowance(self, now: float, n_dec: int) -> float:
-        """The step sizer's prefill allowance (TTFT pressure once the oldest prompt waited
-        `pressure_fraction` of the target; no borrowing in OVERLOAD), within any prefill cap."""
+        """The step sizer's prefill allowance (TTFT pressure once the oldest prompt waited `pressure_fraction`
+        of the target; in OVERLOAD no borrowing, or the plain table with `overload_borrow`), within any cap."""
         if self.sizer is None:
             return self._prefill_cap
-        pressure, strict = now - self.q.oldest_arrival_s() >= self._pressure_s, self.regime.regime is Regime.OVERLOAD
+        over = self.regime.regime is Regime.OVERLOAD
+        strict = over and not self._borrow_over
+        pressure = not over and now - self.q.oldest_arrival_s() >= self._pressure_s
         return min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, n_dec, pressure, strict))
 
     def _advance_prefills(self, plan: StepPlan, sampled: dict[str, int], now: float,
