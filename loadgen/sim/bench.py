@@ -51,8 +51,11 @@ def _request(i: int, rng: random.Random, now: float, hashed: bool = False) -> Re
 
 
 def bench_scheduler(num_running: int, num_waiting: int, cycles: int, seed: int = 0,
-                    policy: str = "adaptive", prefix_caching: bool = False) -> dict[str, float]:
+                    policy: str = "adaptive", prefix_caching: bool = False,
+                    hashed: bool | None = None) -> dict[str, float]:
+    """`hashed` (default: as `prefix_caching`) gives every prompt unique block hashes."""
     rng = random.Random(seed)
+    hashed = prefix_caching if hashed is None else hashed
     base = SchedulerConfig(max_batch_size=num_running, max_num_batched_tokens=max(2048, num_running),
                            max_model_len=4096, block_size=16, num_kv_blocks=num_running * 200,
                            cuda_graph_buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
@@ -62,7 +65,7 @@ def bench_scheduler(num_running: int, num_waiting: int, cycles: int, seed: int =
     ex = _CountingExecutor()
     now, next_id = 0.0, 0
     for _ in range(num_running):
-        sched.add_request(_request(next_id, rng, now, prefix_caching), now)
+        sched.add_request(_request(next_id, rng, now, hashed), now)
         next_id += 1
     while len(sched.decodes) < num_running // 2 or sched.prefilling:  # fill the running batch
         decision = sched.schedule(now)
@@ -74,7 +77,7 @@ def bench_scheduler(num_running: int, num_waiting: int, cycles: int, seed: int =
     perf, cpu = time.perf_counter, time.thread_time
     for _ in range(cycles):
         while sched.num_waiting < num_waiting:
-            sched.add_request(_request(next_id, rng, now, prefix_caching), now)
+            sched.add_request(_request(next_id, rng, now, hashed), now)
             next_id += 1
         c0, t0 = cpu(), perf()
         decision = sched.schedule(now)
