@@ -101,8 +101,14 @@ class PrefixCachingBlockManager(BlockManager):
         nothing changed since); False, changing nothing, if it would leave under `keep_free` free."""
         if request_id in self._tables:
             raise ValueError(f"request {request_id!r} already holds blocks")
+        need = self.blocks_for(num_tokens) - len(hits)  # >= 1: the last token is never cached
+        if not hits:
+            if need + keep_free > len(self._free) + len(self._evictable):
+                return False
+            self._tables[request_id] = self._take(need)
+            self._registered[request_id] = 0
+            return True
         evictable, shared, stale = self._evictable, self._shared, self._stale
-        need = self.blocks_for(num_tokens) - len(hits)
         reviving = sum(map(evictable.__contains__, hits))
         if need + reviving + keep_free > self.num_free_blocks:
             return False
@@ -112,7 +118,7 @@ class PrefixCachingBlockManager(BlockManager):
                 stale[b] = stale.get(b, 0) + 1
             else:
                 shared[b] = shared.get(b, 0) + 1
-        self._tables[request_id] = hits + self._take(need) if need > 0 else list(hits)
+        self._tables[request_id] = hits + self._take(need)
         self._registered[request_id] = len(hits)
         return True
 
@@ -187,8 +193,12 @@ class PrefixCachingBlockManager(BlockManager):
         shared, hash_of = self._shared, self._hash_of
         # Blocks past the registered ones were never hashed; the registered ones all are unless
         # a copy of theirs was registered first. Neither shared: bulk moves.
+        unshared = not shared or shared.keys().isdisjoint(table)
+        if unshared and not registered:
+            self._free.extend(reversed(table))
+            return len(table)
         head = table[:registered]
-        if (not shared or shared.keys().isdisjoint(table)) and sum(map(hash_of.__contains__, head)) == registered:
+        if unshared and sum(map(hash_of.__contains__, head)) == registered:
             self._free.extend(reversed(table[registered:]))
             head.reverse()
             self._lru += head

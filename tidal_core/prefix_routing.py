@@ -126,6 +126,8 @@ class PrefixAwareRouter:
         if chosen is None:
             self.num_load += 1
             chosen = choose_unit(healthy, self.rng)
+            if chosen is None:
+                return None
         else:
             self.num_affinity += 1
         index = self.indexes.get(chosen)
