@@ -33,7 +33,7 @@ class FakeExecutor:
         for new in plan.new_requests:
             assert new.request_id not in self.known, f"{new.request_id} announced twice"
             self.known[new.request_id] = new.num_tokens
-            self.context[new.request_id] = 0
+            self.context[new.request_id] = new.num_computed_tokens  # a prefix-cache hit starts later
             self.tables[new.request_id] = list(new.block_ids)
         for rid, blocks in plan.new_block_ids.items():
             self.tables[rid].extend(blocks)

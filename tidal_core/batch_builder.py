@@ -9,6 +9,9 @@ Owns: `BatchBuilder`. A step is filled in one order for every policy:
 3. new requests from the head of the queue (FIFO), when the launch policy (core/microwait.py)
    says so, while the token budget, the sequence budget, the new-request limit and KV allow.
    KV for a whole prompt is reserved at admission, so a prefill never stalls half-way.
+   With prefix caching (core/prefix_cache.py) a request's leading cached blocks are taken
+   by reference: its prefill starts at its first uncached token, and the budget is charged
+   for the uncached tokens only.
 
 A prompt that does not fit what is left of the budget is chunked (with chunked prefill on).
 Static batching admits a whole batch at once; its later chunks follow step by step. How many
@@ -28,15 +31,17 @@ from tidal_core.kv_blocks import NO_NEW_BLOCK
 from tidal_core.plan import NewRequestData
 from tidal_core.queues import UnitQueues
 from tidal_core.request import Request
+from tidal_core.stats import SchedulerStats
 
 NO_PREEMPTIONS: list[Request] = []
 
 
 class BatchBuilder:
-    __slots__ = ("chunked", "new_limit", "queues", "static")
+    __slots__ = ("chunked", "new_limit", "queues", "static", "stats")
 
-    def __init__(self, config: SchedulerConfig, queues: UnitQueues) -> None:
+    def __init__(self, config: SchedulerConfig, queues: UnitQueues, stats: SchedulerStats | None = None) -> None:
         self.queues = queues
+        self.stats = stats or SchedulerStats()
         self.chunked = config.enable_chunked_prefill
         self.static = config.batching.mode == "static"
         self.new_limit: float = (config.batching.static_batch_size if self.static
@@ -101,23 +106,33 @@ class BatchBuilder:
         waiting, blocks = q.waiting, q.blocks
         limit = min(self.new_limit, room)
         keep_free = blocks.watermark_blocks if (q.decodes.reqs or q.prefilling) else 0
-        chunked, static = self.chunked, self.static
-        admitted = total = 0
+        chunked, static, cache = self.chunked, self.static, q.cache
+        admitted = total = cached = 0
         while waiting and admitted < limit:
             req = waiting[0]
             rid = req.request_id
             need = req.num_tokens
-            grant = budget.grant(need, chunked)
-            if not grant and not static:
-                break
-            if blocks.try_allocate(rid, need, keep_free) is None:
-                break
-            q.start_prefill(req, now)
+            if cache is None:
+                grant = budget.grant(need, chunked)
+                if not grant and not static:
+                    break
+                if blocks.try_allocate(rid, need, keep_free) is None:
+                    break
+            else:
+                hits = cache.match(req.block_hashes, need)
+                cached = len(hits) * cache.block_size
+                grant = budget.grant(need - cached, chunked)
+                if not grant and not static:
+                    break
+                if not cache.allocate_with(rid, need, hits, keep_free):
+                    break
+                self.stats.record_prefix_query(need, cached)
+            q.start_prefill(req, now, cached)
             admitted += 1
             keep_free = blocks.watermark_blocks
             if grant:
                 sched[rid] = grant
-                prefill_ctx[rid] = 0
+                prefill_ctx[rid] = cached
                 budget.charge(grant)
                 total += grant
                 q.announce(req, new_reqs)

@@ -216,6 +216,7 @@ class SchedulerConfig:
     kv_watermark: float = 0.01
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
+    prefix_cache_namespace: str = ""  # the model / adapter identity seeding the block hashes
     max_new_requests_per_step: int | None = None
     max_prefill_tokens: int | None = None  # prefill tokens per step (TGI's max_batch_prefill_tokens)
     cuda_graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)

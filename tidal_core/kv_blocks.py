@@ -47,6 +47,10 @@ class BlockManager:
     def usage(self) -> float:
         return (self.num_blocks - len(self._free)) / self.num_blocks
 
+    def num_references(self) -> int:
+        """Table entries over all requests (here every used block has exactly one owner)."""
+        return self.num_blocks - len(self._free)
+
     def table(self, request_id: str) -> list[int]:
         """The block table of a request (empty if it holds none). Do not mutate it."""
         return self._tables.get(request_id, [])

@@ -14,19 +14,29 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 
+from tidal_core.block_hash import block_hashes, hash_seed
 from tidal_core.config import SchedulerConfig
 from tidal_core.decode_set import DecodeSet
 from tidal_core.kv_blocks import BlockManager
 from tidal_core.plan import NewRequestData, StepPlan
+from tidal_core.prefix_cache import PrefixCachingBlockManager
 from tidal_core.request import FinishReason, Request, RequestStatus
 
 
 class UnitQueues:
-    __slots__ = ("_stop_counts", "announced", "blocks", "decodes", "pending_finished", "prefill_remaining",
-                 "prefilling", "requests", "stop_set", "waiting", "waiting_tokens")
+    __slots__ = ("_hash_seed", "_stop_counts", "announced", "blocks", "cache", "decodes", "pending_finished",
+                 "prefill_remaining", "prefilling", "requests", "stop_set", "waiting", "waiting_tokens")
 
     def __init__(self, config: SchedulerConfig) -> None:
-        self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.kv_watermark)
+        # With prefix caching the block manager is the caching one (`cache` names it, typed).
+        self.cache: PrefixCachingBlockManager | None = None
+        self.blocks: BlockManager
+        if config.enable_prefix_caching:
+            self.blocks = self.cache = PrefixCachingBlockManager(config.num_kv_blocks, config.block_size,
+                                                                 config.kv_watermark)
+        else:
+            self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.kv_watermark)
+        self._hash_seed = hash_seed(config.prefix_cache_namespace)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.prefilling: dict[str, Request] = {}
@@ -47,22 +57,36 @@ class UnitQueues:
         oldest = next(iter(self.prefilling.values())).arrival_s if self.prefilling else math.inf
         return min(oldest, self.waiting[0].arrival_s) if self.waiting else oldest
 
+    def expect_cached(self, req: Request) -> int:
+        """With prefix caching: hash the prompt's blocks if the driver did not, and peek how many
+        of its tokens the cache holds now (`req.expected_cached_tokens`). 0 without caching."""
+        cache = self.cache
+        if cache is None:
+            return 0
+        if req.block_hashes is None and req.prompt_token_ids is not None:
+            req.block_hashes = block_hashes(req.prompt_token_ids, cache.block_size, self._hash_seed)
+        req.expected_cached_tokens = len(cache.match(req.block_hashes, req.num_tokens)) * cache.block_size
+        return req.expected_cached_tokens
+
     def enqueue(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.waiting.append(req)
-        self.waiting_tokens += req.num_tokens
+        self.waiting_tokens += req.num_tokens - req.expected_cached_tokens
         if req.stop_ids:
             before = len(self._stop_counts)
             self._stop_counts.update(req.stop_ids)
             if len(self._stop_counts) != before:
                 self.stop_set = frozenset(self._stop_counts)
 
-    def start_prefill(self, req: Request, now: float) -> None:
-        """The head of the queue was admitted into a step (its KV is already reserved)."""
+    def start_prefill(self, req: Request, now: float, num_cached_tokens: int = 0) -> None:
+        """The head of the queue was admitted into a step (its KV is already reserved; its first
+        `num_cached_tokens` tokens came from the prefix cache and count as computed)."""
         self.waiting.popleft()
         need = req.num_tokens
-        self.waiting_tokens -= need
-        self.prefill_remaining += need
+        self.waiting_tokens -= need - req.expected_cached_tokens
+        self.prefill_remaining += need - num_cached_tokens
+        req.expected_cached_tokens = 0
+        req.num_computed_tokens = req.num_cached_tokens = num_cached_tokens
         req.status = RequestStatus.RUNNING
         if req.admitted_s is None:
             req.admitted_s = now
@@ -72,7 +96,7 @@ class UnitQueues:
         rid = req.request_id
         self.announced.add(rid)
         new_reqs.append(NewRequestData(rid, req.all_token_ids(), req.num_tokens, req.sampling,
-                                       list(self.blocks.table(rid))))
+                                       list(self.blocks.table(rid)), req.num_computed_tokens))
 
     def preempt(self, req: Request) -> None:
         """Free `req`'s KV and put it back at the head of the queue (recompute)."""
@@ -87,7 +111,8 @@ class UnitQueues:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.waiting.appendleft(req)
-        self.waiting_tokens += req.num_tokens
+        # Its blocks stay cached: the resumed request may find them again.
+        self.waiting_tokens += req.num_tokens - self.expect_cached(req)
         self._forget_executor_state(rid)
 
     def remove(self, req: Request, reason: FinishReason, now: float) -> None:
@@ -95,7 +120,7 @@ class UnitQueues:
         rid = req.request_id
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
-            self.waiting_tokens -= req.num_tokens - req.num_computed_tokens
+            self.waiting_tokens -= req.num_tokens - req.num_computed_tokens - req.expected_cached_tokens
         elif rid in self.decodes:
             self.decodes.remove(rid)
             req.num_computed_tokens = req.num_tokens - 1
@@ -131,7 +156,7 @@ class UnitQueues:
     def complete_prefills(self, plan: StepPlan, sampled: dict[str, int]) -> tuple[int, list[Request]]:
         """Apply a step's prefill chunks: returns the prompt tokens computed and the requests
         whose prompt is now complete, out of `prefilling`, each with its sampled token."""
-        prefilling, scheduled = self.prefilling, plan.num_scheduled_tokens
+        prefilling, scheduled, cache = self.prefilling, plan.num_scheduled_tokens, self.cache
         computed, done = 0, []
         for rid in plan.prefill_context:
             req = prefilling.get(rid)
@@ -140,6 +165,8 @@ class UnitQueues:
             n = scheduled[rid]
             req.num_computed_tokens += n
             computed += n
+            if cache is not None:  # its KV is written now: the full blocks may be shared
+                cache.register(rid, req.block_hashes, req.num_computed_tokens)
             if req.num_computed_tokens < req.num_tokens:
                 continue
             tok = sampled.get(rid)
@@ -185,9 +212,13 @@ class UnitQueues:
             if len(req.output_token_ids) >= self.decodes.length_limit(req):
                 raise AssertionError(f"{req} is past its length limit but still decodes")
         used = sum(blocks.num_blocks_of(rid) for rid in self.requests)
-        if used != blocks.num_used_blocks:
-            raise AssertionError(f"{blocks.num_used_blocks} blocks in use but live requests hold {used}")
-        if self.waiting_tokens != sum(r.num_tokens - r.num_computed_tokens for r in self.waiting):
+        if used != blocks.num_references():
+            raise AssertionError(f"{blocks.num_references()} block references but live requests hold {used}")
+        for req in self.prefilling.values():
+            if req.num_cached_tokens % blocks.block_size or not req.num_cached_tokens < req.num_tokens:
+                raise AssertionError(f"{req} took {req.num_cached_tokens} tokens from the cache")
+        expected_waiting = sum(r.num_tokens - r.num_computed_tokens - r.expected_cached_tokens for r in self.waiting)
+        if self.waiting_tokens != expected_waiting:
             raise AssertionError("waiting token count drifted")
         if self.prefill_remaining != sum(r.num_tokens - r.num_computed_tokens for r in self.prefilling.values()):
             raise AssertionError("prefill backlog count drifted")

@@ -84,6 +84,8 @@ class Request:
     __slots__ = (
         "admitted_s",
         "arrival_s",
+        "block_hashes",
+        "expected_cached_tokens",
         "finish_reason",
         "finished_s",
         "first_token_s",
@@ -127,6 +129,12 @@ class Request:
         self.num_computed_tokens = 0
         # Prompt tokens whose KV came from the prefix cache at admission (never recomputed).
         self.num_cached_tokens = 0
+        # Chained hashes of the prompt's full blocks (core/block_hash.py): set by the scheduler
+        # from the token ids, or given by the driver (the simulator has hashes but no ids).
+        self.block_hashes: list[int] | None = None
+        # While waiting: the cache hit peeked at arrival, what the backlog and TTFT predictor
+        # leave out (the real hit is taken at admission, into `num_cached_tokens`).
+        self.expected_cached_tokens = 0
         self.output_token_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.admitted_s: float | None = None

@@ -47,7 +47,8 @@ class Scheduler:
         q = self.q
         self.blocks, self.decodes, self.waiting, self.prefilling, self.requests = (q.blocks, q.decodes, q.waiting,
                                                                                    q.prefilling, q.requests)
-        self.builder = BatchBuilder(config, self.q)
+        self.stats = SchedulerStats()
+        self.builder = BatchBuilder(config, self.q, self.stats)
         self.buckets = CudaGraphBuckets(config.cuda_graph_buckets)
         self.load = LoadEstimator(config.load_tau_s, config.service_prior, config.max_batch_size,
                                   config.num_kv_blocks * config.block_size)
@@ -57,7 +58,6 @@ class Scheduler:
         self.admission = AdmissionController(config.admission, config.max_model_len)
         adm, sizing = config.admission, config.step_sizing
         self.sizer = StepSizer(sizing, adm.target_tpot_s, now) if sizing.enabled and adm.target_tpot_s else None
-        self.stats = SchedulerStats()
         self.last_load = 0.0
         self._prefill_cap = config.max_prefill_tokens or math.inf
         self._pressure_s = sizing.pressure_fraction * adm.target_ttft_s
@@ -114,7 +114,7 @@ class Scheduler:
         """What admission sees for `req`; its predicted TTFT is the client's: time spent before the
         unit (`arrival_s` is the front end's arrival) plus `queue_delay_s` (else predicted now)."""
         if queue_delay_s is None:
-            queue_delay_s = self.predicted_queue_delay_s(now, req.num_prompt_tokens)
+            queue_delay_s = self.predicted_queue_delay_s(now, req.num_prompt_tokens - req.expected_cached_tokens)
         busy = bool(self.waiting) or bool(self.prefilling) or self.num_running >= self._running_cap
         return UnitState(len(self.waiting), len(self.decodes.reqs), self.blocks.usage(),
                          max(0.0, now - req.arrival_s) + queue_delay_s, busy, self.regime.regime, len(self.requests))
@@ -125,8 +125,10 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
         self.stats.num_arrived += 1
-        self.load.on_arrival(now, req.num_prompt_tokens, req.sampling.max_tokens)
-        raw = self.predicted_queue_delay_s(now, req.num_prompt_tokens, corrected=False)
+        # With prefix caching the predictions see the uncached tokens only (peeked, nothing taken).
+        own = req.num_prompt_tokens - self.q.expect_cached(req)
+        self.load.on_arrival(now, own, req.sampling.max_tokens)
+        raw = self.predicted_queue_delay_s(now, own, corrected=False)
         state = self.unit_state(now, req, raw * self.load.ttft_correction.factor(now))
         rejection = self.admission.check_length(req) or self.admission.check(req, state, self.load)
         if rejection is not None:

@@ -76,6 +76,12 @@ class SchedulerStats:
     finished: Counter[str] = field(default_factory=Counter)
     wait_s_total: float = 0.0
     tpot_limited_steps: int = 0
+    # Prefix cache, counted at every admission (a request resumed after preemption queries again):
+    # tokens the admitted requests needed KV for, the tokens found cached, and the requests.
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_query_requests: int = 0
+    prefix_cache_hit_requests: int = 0
     last_step: StepStats | None = None
 
     def record_wait(self, reason: str, wait_s: float) -> None:
@@ -103,3 +109,16 @@ class SchedulerStats:
     @property
     def num_finished(self) -> int:
         return sum(self.finished.values())
+
+    def record_prefix_query(self, num_tokens: int, num_cached_tokens: int) -> None:
+        self.prefix_cache_query_requests += 1
+        self.prefix_cache_query_tokens += num_tokens
+        if num_cached_tokens:
+            self.prefix_cache_hit_requests += 1
+            self.prefix_cache_hit_tokens += num_cached_tokens
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Cached tokens over queried tokens (0 before any admission)."""
+        q = self.prefix_cache_query_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0

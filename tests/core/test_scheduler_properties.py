@@ -122,9 +122,10 @@ class Harness:
         assert plan.num_seqs <= cfg.max_batch_size
         assert set(s.decodes.reqs) <= set(plan.num_scheduled_tokens), "a running decode was left out"
         if not cfg.enable_chunked_prefill:
-            known = {n.request_id: n.num_tokens for n in plan.new_requests}
+            known = {n.request_id: (n.num_tokens, n.num_computed_tokens) for n in plan.new_requests}
             for rid, ctx in plan.prefill_context.items():
-                assert ctx == 0 and plan.num_scheduled_tokens[rid] == known[rid], "chunked while disabled"
+                num_tokens, cached = known[rid]
+                assert ctx == cached and plan.num_scheduled_tokens[rid] == num_tokens - cached, "chunked while disabled"
         stats = s.stats.last_step
         assert stats is not None
         if cfg.batching.mode == "adaptive":
