@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from actors.executor import LocalExecutor
+from actors.llm_engine import LLMEngine
 from actors.paged_attention import HAVE_TRITON
 from tests.actors.conftest import TRITON_READY
-from tests.model_helpers import GREEDY, local_executor, save_tiny_checkpoint, smollm2_path
+from tests.model_helpers import GREEDY, local_executor, make_engine, save_tiny_checkpoint, smollm2_path
+from tidal_core import SamplingParams
 from tidal_core.plan import NewRequestData, StepPlan
 
 BS = 4
@@ -144,3 +146,41 @@ def test_smollm2_long_system_prompt_reused() -> None:
     d.run(decodes, finish=["a"])
     assert d.outputs["b"] == solo.outputs["x"]
     assert all(torch.equal(x, y) for x, y in zip(before, _kv_of(d.ex, shared[-2:]), strict=True))
+
+
+# ---- through the real core Scheduler with prefix caching on -------------------------------------
+SHARED = list(range(30, 63))  # 33 tokens: 8 full blocks of 4 and one token
+FAMILY = [[*SHARED, 7, 8, 9], [*SHARED, 100, 101], [*SHARED[:20], 5, 6, 7, 8, 9, 10], [*SHARED, 7, 8, 9]]
+LONG = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _engine(path: Path, cache: bool, **kw: object) -> LLMEngine:
+    ex = local_executor(path, block_size=BS, max_model_len=96, **kw)
+    return make_engine(ex, enable_prefix_caching=cache)
+
+
+def test_scheduler_driven_reuse_is_token_identical(tiny_path: Path) -> None:
+    """One after another (each hits the blocks the previous ones left cached), then all at once."""
+    off = _engine(tiny_path, False)
+    want = [c.token_ids for c in off.generate(FAMILY, LONG)]
+    on = _engine(tiny_path, True)
+    got = []
+    for prompt in FAMILY:
+        got += [c.token_ids for c in on.generate([prompt], LONG)]
+    stats = on.scheduler.stats
+    assert got == want
+    assert stats.prefix_cache_hit_requests == 3 and stats.prefix_cache_hit_tokens == 32 + 20 + 32
+    assert off.scheduler.stats.prefix_cache_hit_tokens == 0
+    assert [c.token_ids for c in on.generate(FAMILY, LONG)] == want  # a batch over the warm cache
+    on.scheduler.check_integrity()
+
+
+def test_reuse_survives_preemption(tiny_path: Path) -> None:
+    want = [c.token_ids for c in _engine(tiny_path, False).generate(FAMILY, LONG)]
+    tight = _engine(tiny_path, True, max_num_blocks=24)
+    got = [c.token_ids for c in tight.generate(FAMILY, LONG)]
+    stats = tight.scheduler.stats
+    assert sum(stats.preempted.values()) > 0, "the tiny pool must force a preemption"
+    assert stats.prefix_cache_hit_requests > 0, "a resumed or later request must reuse cached blocks"
+    assert got == want
+    tight.scheduler.check_integrity()
