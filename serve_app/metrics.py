@@ -33,6 +33,11 @@ def _make(defn: M.MetricDef) -> Any:
                                  tag_keys=defn.tag_keys)
 
 
+def prefix_cache_counters(stats: Any) -> dict[str, int]:
+    """The scheduler's prefix-cache counters by name (0 for a scheduler without them)."""
+    return {field: int(getattr(stats, field, 0)) for field, _ in PREFIX_COUNTERS}
+
+
 class UnitMetrics:
     def __init__(self, unit: str, gauge_period_s: float = 0.5) -> None:
         self.unit = unit
@@ -81,9 +86,9 @@ class UnitMetrics:
 
     def _prefix_counters(self, sched: Scheduler) -> None:
         """Advance each prefix-cache counter by what the scheduler's own counter gained."""
-        seen, stats = self._prefix_seen, sched.stats
+        seen, now = self._prefix_seen, prefix_cache_counters(sched.stats)
         for field, defn in PREFIX_COUNTERS:
-            value = int(getattr(stats, field, 0))
+            value = now[field]
             if value > seen[field]:
                 self._m[defn.name].inc(value - seen[field])
                 seen[field] = value
