@@ -3,6 +3,8 @@
 Owns `TraceRecord` (one request: arrival time, input and output tokens, optional prompt and id)
 and `Trace` (the records plus name, duration and a human-readable source) with its transforms:
 `scaled` (time compression, seeded thinning/replication), `clipped`, `window` and `stats`.
+A trace may carry prefix-block ids (`prefix_ids`, Mooncake's `hash_ids`): per request, one id
+per `prefix_block_size` tokens of its prompt, equal ids meaning an equal KV prefix.
 
 Storage: a trace keeps parallel read-only numpy arrays (`arrival_s`, `input_tokens`,
 `output_tokens`), so a 24 h day of a million requests costs ~20 MB and transforms are
@@ -21,6 +23,9 @@ from typing import Any, overload
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
+
+PREFIX_SALT = 1 << 40
+"""Added (times the copy number) to the prefix ids of a request's replicas in `Trace.scaled`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +78,8 @@ def _frozen(values: ArrayLike, dtype: type) -> NDArray[Any]:
 class Trace:
     """Requests sorted by arrival (a stable sort is applied if they are not)."""
 
-    __slots__ = ("_arrival", "_input", "_output", "duration_s", "name", "offset_s", "prompts", "request_ids",
-                 "source")
+    __slots__ = ("_arrival", "_input", "_output", "duration_s", "name", "offset_s", "prefix_block_size", "prefix_ids",
+                 "prompts", "request_ids", "source")
     _arrival: NDArray[np.float64]
     _input: NDArray[np.int64]
     _output: NDArray[np.int64]
@@ -84,16 +89,19 @@ class Trace:
     offset_s: float  # where t = 0 falls on the source's own clock (s since 00:00 of its first day, if known)
     prompts: tuple[str | None, ...] | None
     request_ids: tuple[str | None, ...] | None
+    prefix_ids: tuple[tuple[int, ...], ...] | None  # per request, one id per prefix_block_size prompt tokens
+    prefix_block_size: int
 
     def __init__(self, name: str, arrival_s: ArrayLike, input_tokens: ArrayLike, output_tokens: ArrayLike, *,
                  duration_s: float | None = None, source: str = "", offset_s: float = 0.0,
-                 prompts: Sequence[str | None] | None = None, request_ids: Sequence[str | None] | None = None) -> None:
+                 prompts: Sequence[str | None] | None = None, request_ids: Sequence[str | None] | None = None,
+                 prefix_ids: Sequence[Sequence[int]] | None = None, prefix_block_size: int = 512) -> None:
         arrival = np.array(arrival_s, dtype=np.float64).reshape(-1)
         inp = np.array(input_tokens, dtype=np.int64).reshape(-1)
         out = np.array(output_tokens, dtype=np.int64).reshape(-1)
         n = arrival.size
         if inp.size != n or out.size != n or (prompts is not None and len(prompts) != n) or (
-                request_ids is not None and len(request_ids) != n):
+                request_ids is not None and len(request_ids) != n) or (prefix_ids is not None and len(prefix_ids) != n):
             raise ValueError("arrival_s, input_tokens, output_tokens (and prompts, request_ids) need equal lengths")
         if not np.all(np.isfinite(arrival)) or (n and arrival.min() < 0.0):
             raise ValueError(f"trace {name!r}: arrival times must be finite and >= 0")
@@ -104,6 +112,9 @@ class Trace:
             arrival, inp, out = arrival[order], inp[order], out[order]
             prompts = [prompts[i] for i in order] if prompts is not None else None
             request_ids = [request_ids[i] for i in order] if request_ids is not None else None
+            prefix_ids = [prefix_ids[i] for i in order] if prefix_ids is not None else None
+        if prefix_block_size < 1:
+            raise ValueError(f"trace {name!r}: prefix_block_size={prefix_block_size} must be >= 1")
         last = float(arrival[-1]) if n else 0.0
         duration = last if duration_s is None else float(duration_s)
         if not (math.isfinite(duration) and duration >= last):
@@ -111,7 +122,9 @@ class Trace:
         fields = {"_arrival": _frozen(arrival, np.float64), "_input": _frozen(inp, np.int64),
                   "_output": _frozen(out, np.int64), "name": name, "source": source, "duration_s": duration,
                   "offset_s": float(offset_s), "prompts": tuple(prompts) if prompts is not None else None,
-                  "request_ids": tuple(request_ids) if request_ids is not None else None}
+                  "request_ids": tuple(request_ids) if request_ids is not None else None,
+                  "prefix_ids": tuple(map(tuple, prefix_ids)) if prefix_ids is not None else None,
+                  "prefix_block_size": int(prefix_block_size)}
         for key, value in fields.items():
             object.__setattr__(self, key, value)
 
@@ -158,8 +171,10 @@ class Trace:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Trace):
             return NotImplemented
-        return (self.name, self.source, self.duration_s, self.offset_s, self.prompts, self.request_ids) == (
-            other.name, other.source, other.duration_s, other.offset_s, other.prompts, other.request_ids) and all(
+        return (self.name, self.source, self.duration_s, self.offset_s, self.prompts, self.request_ids,
+                self.prefix_ids, self.prefix_block_size) == (
+            other.name, other.source, other.duration_s, other.offset_s, other.prompts, other.request_ids,
+            other.prefix_ids, other.prefix_block_size) and all(
             np.array_equal(a, b) for a, b in ((self._arrival, other._arrival), (self._input, other._input),
                                               (self._output, other._output)))
 
@@ -179,7 +194,10 @@ class Trace:
         def sel(arr: NDArray[Any]) -> NDArray[Any]:
             return arr if idx is None else arr[idx]
         fields: dict[str, Any] = {"duration_s": self.duration_s, "source": self.source, "offset_s": self.offset_s,
-                                  "prompts": pick(self.prompts), "request_ids": pick(self.request_ids)}
+                                  "prompts": pick(self.prompts), "request_ids": pick(self.request_ids),
+                                  "prefix_block_size": self.prefix_block_size}
+        if self.prefix_ids is not None:
+            fields["prefix_ids"] = self.prefix_ids if idx is None else [self.prefix_ids[i] for i in idx]
         fields.update(kw)
         return Trace(name, sel(self._arrival) if arrival is None else arrival,
                      sel(self._input) if inp is None else inp, sel(self._output) if out is None else out, **fields)
@@ -192,7 +210,10 @@ class Trace:
         `rate_scale` keeps each request floor(r) times plus once more with probability
         r - floor(r) (seeded): r < 1 thins at random, r > 1 replicates. A replica lands at a
         uniformly random point between its original and the next arrival, so the local rate
-        (the shape) is kept and no two requests coincide.
+        (the shape) is kept and no two requests coincide. Copy k >= 1 of a request gets its
+        prefix ids salted by k: the copies form k more user populations, each sharing prefixes
+        within itself as the original does, none with another (a copy of a conversation is
+        another conversation, not a free cache hit).
         """
         if not (time_scale > 0.0 and math.isfinite(time_scale)):
             raise ValueError(f"time_scale={time_scale} must be finite and > 0 (0.1 plays 10x faster)")
@@ -212,10 +233,15 @@ class Trace:
         if self.request_ids is not None:
             ids = [f"{self.request_ids[i]}#{c}" if c and self.request_ids[i] is not None else self.request_ids[i]
                    for i, c in zip(idx.tolist(), k.tolist(), strict=True)]
+        extra: dict[str, Any] = {}
+        if self.prefix_ids is not None:
+            salted = self.prefix_ids
+            extra["prefix_ids"] = [salted[i] if not c else tuple(h + c * PREFIX_SALT for h in salted[i])
+                                   for i, c in zip(idx.tolist(), k.tolist(), strict=True)]
         suffix = "" if (time_scale, rate_scale) == (1.0, 1.0) else f"@t{time_scale:g}r{rate_scale:g}"
         # offset_s stays: t = 0 still falls at the same instant of the source's clock.
         return self._derived(self.name + suffix, idx, arrival=arrival, duration_s=self.duration_s * time_scale,
-                             request_ids=ids)
+                             request_ids=ids, **extra)
 
     def clipped(self, max_input_tokens: int, max_output_tokens: int) -> Trace:
         """Token counts capped (for a model with a short context); arrivals unchanged."""

@@ -74,16 +74,27 @@ def read_azure_csv(path: str | Path, *, name: str | None = None) -> Trace:
                     source=f"Azure LLM inference trace 2023 ({path.name})", offset_s=time_of_day)
 
 
+MOONCAKE_BLOCK_TOKENS = 512
+"""The block size of the Mooncake traces' `hash_ids` (see data/mooncake-fast25/SOURCE.md)."""
+
+
 def read_mooncake_jsonl(path: str | Path, *, name: str | None = None) -> Trace:
-    """Mooncake FAST'25 trace: timestamp (ms), input_length, output_length (hash_ids ignored)."""
+    """Mooncake FAST'25 trace: timestamp (ms), input_length, output_length, and `hash_ids` (one
+    per 512 prompt tokens, equal ids = equal prefix) as the trace's `prefix_ids`."""
     path = Path(path)
-    arrival, inp, out = [], [], []
+    arrival, inp, out, ids = [], [], [], []
     for obj in _json_lines(path):
         arrival.append(float(obj["timestamp"]) / 1000.0)
         inp.append(int(obj["input_length"]))
         out.append(int(obj["output_length"]))
-    return _rebased(name or path.stem, np.array(arrival, dtype=np.float64), np.array(inp, dtype=np.int64),
-                    np.array(out, dtype=np.int64), source=f"Mooncake FAST'25 trace ({path.name})")
+        ids.append(tuple(int(h) for h in obj.get("hash_ids", ())))
+    arrival_s = np.array(arrival, dtype=np.float64)
+    order = np.argsort(arrival_s, kind="stable")
+    first = float(arrival_s[order[0]]) if arrival_s.size else 0.0
+    return Trace(name or path.stem, arrival_s[order] - first, np.array(inp, dtype=np.int64)[order],
+                 np.array(out, dtype=np.int64)[order], source=f"Mooncake FAST'25 trace ({path.name})",
+                 offset_s=first, prefix_ids=[ids[i] for i in order.tolist()],
+                 prefix_block_size=MOONCAKE_BLOCK_TOKENS)
 
 
 def _matches(value: str, wanted: str | None) -> bool:
@@ -126,10 +137,12 @@ def write_jsonl(trace: Trace, path: str | Path) -> None:
     """Our format: a header line with the metadata, then one record per line."""
     header = {JSONL_FORMAT_KEY: JSONL_FORMAT_VERSION, "name": trace.name, "duration_s": trace.duration_s,
               "source": trace.source, "offset_s": trace.offset_s}
+    if trace.prefix_ids is not None:
+        header["prefix_block_size"] = trace.prefix_block_size
     arrival, inp, out = trace.arrival_s.tolist(), trace.input_tokens.tolist(), trace.output_tokens.tolist()
     with Path(path).open("w") as fh:
         fh.write(json.dumps(header) + "\n")
-        plain = trace.prompts is None and trace.request_ids is None
+        plain = trace.prompts is None and trace.request_ids is None and trace.prefix_ids is None
         for i, (a, n_in, n_out) in enumerate(zip(arrival, inp, out, strict=True)):
             if plain:  # the common case, formatted by hand: ~5x faster than json.dumps per line
                 fh.write(f'{{"arrival_s": {a!r}, "input_tokens": {n_in}, "output_tokens": {n_out}}}\n')
@@ -139,6 +152,8 @@ def write_jsonl(trace: Trace, path: str | Path) -> None:
                 rec["prompt"] = trace.prompts[i]
             if trace.request_ids is not None and trace.request_ids[i] is not None:
                 rec["request_id"] = trace.request_ids[i]
+            if trace.prefix_ids is not None:
+                rec["prefix_ids"] = list(trace.prefix_ids[i])
             fh.write(json.dumps(rec) + "\n")
 
 
@@ -149,6 +164,7 @@ def read_jsonl(path: str | Path) -> Trace:
     arrival, inp, out = [], [], []
     prompts: list[str | None] = []
     ids: list[str | None] = []
+    prefix: list[tuple[int, ...]] = []
     for obj in _json_lines(path):
         if JSONL_FORMAT_KEY in obj:
             if obj[JSONL_FORMAT_KEY] != JSONL_FORMAT_VERSION:
@@ -160,10 +176,13 @@ def read_jsonl(path: str | Path) -> Trace:
         out.append(int(obj["output_tokens"]))
         prompts.append(obj.get("prompt"))
         ids.append(obj.get("request_id"))
+        prefix.append(tuple(obj.get("prefix_ids", ())))
     return Trace(meta.get("name", path.stem), arrival, inp, out, duration_s=meta.get("duration_s"),
                  source=meta.get("source", f"tidalserve JSONL ({path.name})"), offset_s=meta.get("offset_s", 0.0),
                  prompts=prompts if any(p is not None for p in prompts) else None,
-                 request_ids=ids if any(i is not None for i in ids) else None)
+                 request_ids=ids if any(i is not None for i in ids) else None,
+                 prefix_ids=prefix if "prefix_block_size" in meta else None,
+                 prefix_block_size=int(meta.get("prefix_block_size", 512)))
 
 
 def read_trace_file(path: str | Path, **kw: Any) -> Trace:

@@ -3,9 +3,16 @@
 Owns: `TidalRequestRouter`, a `ray.serve` `RequestRouter` (alpha API in Ray 2.60) that runs in
 the caller's process (the ingress replicas). Each unit reports its load through
 `ServingUnit.record_routing_stats` (queue delay, KV usage, running/waiting, load, capacity, regime);
-this class turns the reports into `UnitLoad`s and asks `tidal_core.choose_unit`. A unit
+this class turns the reports into `UnitLoad`s and asks the core. With `prefix_routing` (the
+default) that is `PrefixAwareRouter` (tidal_core/prefix_routing.py): the request's prompt token
+ids travel in its `GenerateRequest`, so the router hashes their blocks here, the way the
+units do, and prefers the unit it sent the same prefix to; otherwise `choose_unit`. A unit
 that has not reported yet counts as empty. The chosen unit is ranked first, the rest follow
 (Serve falls back to them if the first refuses).
+
+Router kwargs (`request_router_kwargs`): `seed`, `prefix_routing`, `block_size` and
+`index_blocks` (the units' KV block size and pool, which bound each unit's index) and
+`prefix_cache_namespace` (the units' `SchedulerConfig.prefix_cache_namespace`).
 """
 
 from __future__ import annotations
@@ -16,11 +23,27 @@ from typing import Any
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from tidal_core import UnitLoad, choose_unit
+from tidal_core.block_hash import block_hashes, hash_seed
+from tidal_core.prefix_routing import PrefixAwareRouter, PrefixRoutingConfig
+
+
+def prompt_token_ids(pending_request: PendingRequest | None) -> list[int] | None:
+    """The prompt token ids of a `generate(GenerateRequest)` call, None for any other call."""
+    if pending_request is None or not pending_request.args:
+        return None
+    ids = getattr(pending_request.args[0], "prompt_token_ids", None)
+    return ids if isinstance(ids, list) else None
 
 
 class TidalRequestRouter(FIFOMixin, RequestRouter):
-    def initialize_state(self, seed: int | None = None, **kwargs: Any) -> None:
+    def initialize_state(self, seed: int | None = None, prefix_routing: bool = True, block_size: int = 16,
+                         index_blocks: int = 65536, prefix_cache_namespace: str = "", **kwargs: Any) -> None:
         self._rng = random.Random(seed)
+        self._prefix: PrefixAwareRouter | None = None
+        if prefix_routing:
+            self._prefix = PrefixAwareRouter(PrefixRoutingConfig(index_blocks=index_blocks, block_size=block_size),
+                                             self._rng)
+        self._seed_hash = hash_seed(prefix_cache_namespace)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -29,7 +52,13 @@ class TidalRequestRouter(FIFOMixin, RequestRouter):
         rng = getattr(self, "_rng", None) or random.Random()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = [UnitLoad.from_stats(uid, r.routing_stats) for uid, r in by_id.items()]
-        chosen = choose_unit(loads, rng)
+        router: PrefixAwareRouter | None = getattr(self, "_prefix", None)
+        tokens = prompt_token_ids(pending_request) if router is not None else None
+        if router is not None and tokens:
+            hashes = block_hashes(tokens, router.config.block_size, self._seed_hash)
+            chosen = router.choose(loads, hashes, len(tokens))
+        else:
+            chosen = choose_unit(loads, rng)
         if chosen is None:
             return [candidate_replicas]
         first = by_id[chosen]

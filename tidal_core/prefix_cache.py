@@ -19,29 +19,41 @@ reference to them instead of computing them. The rules that keep shared KV corre
   (its hash forgotten) only when the list of clean free blocks runs dry. Evictable blocks
   count as free for usage, admission and the watermark.
 
-A block is in exactly one of three states: clean-free (no hash, count 0), evictable (hash,
-count 0) or referenced (count > 0, maybe hashed); `check_integrity` proves it.
+A block is in exactly one of three states: clean-free (no hash, in no table), evictable
+(hashed, in no table) or referenced (in one table or more, maybe hashed); `check_integrity`
+proves it. Speed: a block held by one request carries no count at all (only blocks in two
+tables or more have an entry in `_shared`), and freeing or registering a request whose blocks
+are not shared is a few C-level bulk operations, so the cache costs the scheduler little when
+it saves nothing.
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Sequence
 
 from tidal_core.kv_blocks import NO_NEW_BLOCK, BlockManager
 
 
 class PrefixCachingBlockManager(BlockManager):
-    __slots__ = ("_by_hash", "_evictable", "_hash_of", "_ref", "_registered", "num_evictions")
+    __slots__ = ("_by_hash", "_evictable", "_hash_of", "_lru", "_lru_head", "_registered", "_shared", "_stale",
+                 "num_evictions")
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
         super().__init__(num_blocks, block_size, watermark)
-        self._ref = [0] * num_blocks
-        self._hash_of: list[int | None] = [None] * num_blocks
-        self._by_hash: dict[int, int] = {}
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # count-0 hashed blocks, oldest first
+        self._by_hash: dict[int, int] = {}  # hash -> block
+        self._hash_of: dict[int, int] = {}  # block -> hash (referenced or evictable)
+        # Unreferenced hashed blocks: the set, and their order in `_lru[_lru_head:]` (least
+        # recently freed first). A block revived by a hit stays in `_lru` and is skipped when its
+        # entry comes up (`_stale` counts such entries per block): every update is a bulk one
+        # at C speed, where an OrderedDict costs a Python-level call per block.
+        self._evictable: set[int] = set()
+        self._lru: list[int] = []
+        self._lru_head = 0
+        self._stale: dict[int, int] = {}
+        self._shared: dict[int, int] = {}  # block -> references beyond the first (blocks in 2+ tables)
         # request id -> leading blocks of its table already registered (or taken from the cache)
         self._registered: dict[str, int] = {}
         self.num_evictions = 0
@@ -61,10 +73,10 @@ class PrefixCachingBlockManager(BlockManager):
         return len(self._by_hash)
 
     def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
+        return (self.num_blocks - len(self._free) - len(self._evictable)) / self.num_blocks
 
     def num_references(self) -> int:
-        return sum(self._ref)
+        return sum(map(len, self._tables.values()))
 
     def can_allocate(self, request_id: str, num_tokens: int, keep_free: int = 0) -> bool:
         return self.extra_blocks_needed(request_id, num_tokens) + keep_free <= self.num_free_blocks
@@ -89,16 +101,24 @@ class PrefixCachingBlockManager(BlockManager):
         nothing changed since); False, changing nothing, if it would leave under `keep_free` free."""
         if request_id in self._tables:
             raise ValueError(f"request {request_id!r} already holds blocks")
-        ref, evictable = self._ref, self._evictable
-        need = self.blocks_for(num_tokens) - len(hits)
-        reviving = sum(1 for b in hits if ref[b] == 0)
+        need = self.blocks_for(num_tokens) - len(hits)  # >= 1: the last token is never cached
+        if not hits:
+            if need + keep_free > len(self._free) + len(self._evictable):
+                return False
+            self._tables[request_id] = self._take(need)
+            self._registered[request_id] = 0
+            return True
+        evictable, shared, stale = self._evictable, self._shared, self._stale
+        reviving = sum(map(evictable.__contains__, hits))
         if need + reviving + keep_free > self.num_free_blocks:
             return False
         for b in hits:
-            if ref[b] == 0:
-                del evictable[b]
-            ref[b] += 1
-        self._tables[request_id] = hits + self._take(need) if need > 0 else list(hits)
+            if b in evictable:
+                evictable.remove(b)
+                stale[b] = stale.get(b, 0) + 1
+            else:
+                shared[b] = shared.get(b, 0) + 1
+        self._tables[request_id] = hits + self._take(need)
         self._registered[request_id] = len(hits)
         return True
 
@@ -112,12 +132,16 @@ class PrefixCachingBlockManager(BlockManager):
         upto = min(num_computed_tokens // self.block_size, len(hashes))
         if upto <= done:
             return
-        table, by_hash, hash_of = self._tables[request_id], self._by_hash, self._hash_of
-        for k in range(done, upto):
-            h, block = hashes[k], table[k]
-            if hash_of[block] is None and h not in by_hash:
-                by_hash[h] = block
-                hash_of[block] = h
+        new_hashes, blocks = hashes[done:upto], self._tables[request_id][done:upto]
+        by_hash, hash_of = self._by_hash, self._hash_of
+        if by_hash.keys().isdisjoint(new_hashes):  # the common case, in bulk
+            by_hash.update(zip(new_hashes, blocks, strict=True))
+            hash_of.update(zip(blocks, new_hashes, strict=True))
+        else:
+            for h, block in zip(new_hashes, blocks, strict=True):
+                if h not in by_hash:
+                    by_hash[h] = block
+                    hash_of[block] = h
         self._registered[request_id] = upto
 
     def try_allocate(self, request_id: str, num_tokens: int, keep_free: int = 0) -> list[int] | None:
@@ -163,76 +187,119 @@ class PrefixCachingBlockManager(BlockManager):
         """Drop the request's references; blocks left unreferenced go back, hashed ones cached.
         The tail of a prompt goes to the evictable list first, so it is evicted before its head."""
         table = self._tables.pop(request_id, None)
-        self._registered.pop(request_id, None)
+        registered = self._registered.pop(request_id, 0)
         if not table:
             return 0
-        ref, hash_of, free, evictable = self._ref, self._hash_of, self._free, self._evictable
+        shared, hash_of = self._shared, self._hash_of
+        # Blocks past the registered ones were never hashed; the registered ones all are unless
+        # a copy of theirs was registered first. Neither shared: bulk moves.
+        unshared = not shared or shared.keys().isdisjoint(table)
+        if unshared and not registered:
+            self._free.extend(reversed(table))
+            return len(table)
+        head = table[:registered]
+        if unshared and sum(map(hash_of.__contains__, head)) == registered:
+            self._free.extend(reversed(table[registered:]))
+            head.reverse()
+            self._lru += head
+            self._evictable.update(head)
+            return len(table)
+        free, evictable, lru = self._free, self._evictable, self._lru
         for b in reversed(table):
-            left = ref[b] - 1
-            ref[b] = left
-            if left == 0:
-                if hash_of[b] is None:
-                    free.append(b)
+            extra = shared.get(b)
+            if extra is not None:
+                if extra == 1:
+                    del shared[b]
                 else:
-                    evictable[b] = None
+                    shared[b] = extra - 1
+            elif b in hash_of:
+                evictable.add(b)
+                lru.append(b)
+            else:
+                free.append(b)
         return len(table)
 
     def _take(self, n: int) -> list[int]:
-        """`n` (>= 1, at most `num_free_blocks`) blocks, referenced once: clean ones first, then
-        the least recently freed cached ones, whose hashes are forgotten."""
+        """`n` (>= 1, at most `num_free_blocks`) blocks: clean ones first, then the least
+        recently freed cached ones, whose hashes are forgotten."""
         free = self._free
         if n <= len(free):
             new = free[-n:]
             del free[-n:]
             new.reverse()
-        else:
-            new = free[::-1]
-            free.clear()
-            by_hash, hash_of, evictable = self._by_hash, self._hash_of, self._evictable
-            evict = n - len(new)
-            for _ in range(evict):
-                block, _ = evictable.popitem(last=False)
-                del by_hash[hash_of[block]]  # type: ignore[arg-type]  # evictable blocks are hashed
-                hash_of[block] = None
-                new.append(block)
-            self.num_evictions += evict
-        ref = self._ref
-        for b in new:
-            ref[b] = 1
+            return new
+        new = free[::-1]
+        free.clear()
+        victims = self._pop_lru(n - len(new))
+        self._evictable.difference_update(victims)
+        # A C-level loop: deque(map(...), maxlen=0) runs the map for its side effects.
+        deque(map(self._by_hash.__delitem__, map(self._hash_of.pop, victims)), maxlen=0)
+        self.num_evictions += len(victims)
+        new += victims
         return new
+
+    def _pop_lru(self, k: int) -> list[int]:
+        """The `k` least recently freed evictable blocks, out of the order list."""
+        lru, stale, head = self._lru, self._stale, self._lru_head
+        victims = lru[head:head + k]
+        head += k
+        if stale and not stale.keys().isdisjoint(victims):
+            victims = []
+            head = self._lru_head
+            while len(victims) < k:
+                b = lru[head]
+                head += 1
+                left = stale.get(b)
+                if left is None:
+                    victims.append(b)
+                elif left == 1:
+                    del stale[b]
+                else:
+                    stale[b] = left - 1
+        if head > 4096 and head * 2 > len(lru):
+            del lru[:head]
+            head = 0
+        self._lru_head = head
+        return victims
 
     # ---- integrity -----------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Reference counts equal table entries; every block is exactly one of clean-free,
         evictable or referenced; the hash table and the per-block hashes agree; no block is
         both free and hashed (a free block could be rewritten while a lookup still finds it)."""
-        counts = [0] * self.num_blocks
+        counts: dict[int, int] = {}
         for rid, table in self._tables.items():
             if not table:
                 raise AssertionError(f"request {rid} has an empty block table entry")
             if len(set(table)) != len(table):
                 raise AssertionError(f"request {rid} holds a block twice")
             for b in table:
-                counts[b] += 1
+                counts[b] = counts.get(b, 0) + 1
             if not 0 <= self._registered.get(rid, -1) <= len(table):
                 raise AssertionError(f"request {rid}: registered-block count out of range")
         if set(self._registered) != set(self._tables):
             raise AssertionError("registered-block counts kept for requests without a table")
-        if counts != self._ref:
-            bad = next(b for b in range(self.num_blocks) if counts[b] != self._ref[b])
-            raise AssertionError(f"block {bad}: reference count {self._ref[bad]} but {counts[bad]} table entries")
+        extra = {b: c - 1 for b, c in counts.items() if c > 1}
+        if extra != self._shared:
+            bad = next(b for b in set(extra) | set(self._shared) if extra.get(b) != self._shared.get(b))
+            raise AssertionError(f"block {bad}: reference count {1 + self._shared.get(bad, 0)} but "
+                                 f"{counts.get(bad, 0)} table entries")
         for b in self._free:
-            if self._ref[b] or self._hash_of[b] is not None:
+            if b in counts or b in self._hash_of:
                 raise AssertionError(f"free block {b} is referenced or still hashed (free and dirty)")
         for b in self._evictable:
-            if self._ref[b] or self._hash_of[b] is None:
+            if b in counts or b not in self._hash_of:
                 raise AssertionError(f"evictable block {b} is referenced or has no hash")
-        referenced = sum(1 for c in counts if c)
+        entries: dict[int, int] = {}
+        for b in self._lru[self._lru_head:]:
+            entries[b] = entries.get(b, 0) + 1
+        live = {b: c - self._stale.get(b, 0) for b, c in entries.items()}
+        if any(c not in (0, 1) for c in live.values()) or {b for b, c in live.items() if c} != self._evictable \
+                or not set(self._stale) <= set(entries):
+            raise AssertionError("the eviction order list disagrees with the evictable blocks")
         pools = set(self._free) | set(self._evictable)
-        if len(pools) != len(self._free) + len(self._evictable) or referenced + len(pools) != self.num_blocks:
+        if len(pools) != len(self._free) + len(self._evictable) or len(counts) + len(pools) != self.num_blocks:
             raise AssertionError("clean-free, evictable and referenced blocks do not partition the pool")
-        for h, b in self._by_hash.items():
-            if self._hash_of[b] != h:
-                raise AssertionError(f"hash table maps to block {b}, which holds another hash")
-        if sum(1 for h in self._hash_of if h is not None) != len(self._by_hash):
-            raise AssertionError("a block holds a hash the hash table does not know")
+        if len(self._by_hash) != len(self._hash_of) or any(self._hash_of.get(b) != h
+                                                           for h, b in self._by_hash.items()):
+            raise AssertionError("the hash table and the blocks' hashes disagree")

@@ -165,7 +165,7 @@ class UnitQueues:
             n = scheduled[rid]
             req.num_computed_tokens += n
             computed += n
-            if cache is not None:  # its KV is written now: the full blocks may be shared
+            if cache is not None and req.block_hashes:  # its KV is written now: full blocks may be shared
                 cache.register(rid, req.block_hashes, req.num_computed_tokens)
             if req.num_computed_tokens < req.num_tokens:
                 continue

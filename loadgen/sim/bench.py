@@ -6,6 +6,8 @@ state: `--running` requests decoding (a full batch), `--waiting`
 queued with mixed prompt lengths, output lengths mixed so that requests finish and new ones
 are admitted (as prefill chunks) every few steps; the queue is topped up to stay at
 `--waiting`. Only the two scheduler calls are timed; the executor's work is not.
+`--prefix-caching` turns the prefix cache on with every prompt unique (hashed blocks, no hits):
+the cost of the cache's lookups and registrations when it saves nothing.
 """
 
 from __future__ import annotations
@@ -40,23 +42,30 @@ class _CountingExecutor:
         return StepResult(plan.step_id, sampled, 0.03)
 
 
-def _request(i: int, rng: random.Random, now: float) -> Request:
+def _request(i: int, rng: random.Random, now: float, hashed: bool = False) -> Request:
     prompt = rng.choice((16, 64, 128, 256, 512, 1024, 2048))
-    return Request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(16, 512)), now)
+    req = Request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(16, 512)), now)
+    if hashed:  # unique per request: the cache is consulted and filled, never hit
+        req.block_hashes = [(i << 12) | k for k in range(prompt // 16)]
+    return req
 
 
 def bench_scheduler(num_running: int, num_waiting: int, cycles: int, seed: int = 0,
-                    policy: str = "adaptive") -> dict[str, float]:
+                    policy: str = "adaptive", prefix_caching: bool = False,
+                    hashed: bool | None = None) -> dict[str, float]:
+    """`hashed` (default: as `prefix_caching`) gives every prompt unique block hashes."""
     rng = random.Random(seed)
+    hashed = prefix_caching if hashed is None else hashed
     base = SchedulerConfig(max_batch_size=num_running, max_num_batched_tokens=max(2048, num_running),
                            max_model_len=4096, block_size=16, num_kv_blocks=num_running * 200,
-                           cuda_graph_buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+                           cuda_graph_buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+                           enable_prefix_caching=prefix_caching)
     # Admission limits relaxed so the bench can hold a 4096-deep queue; the checks still run.
     sched = Scheduler(preset(policy, base, admission=AdmissionConfig(max_queue_len=10**7, target_ttft_s=1e9)))
     ex = _CountingExecutor()
     now, next_id = 0.0, 0
     for _ in range(num_running):
-        sched.add_request(_request(next_id, rng, now), now)
+        sched.add_request(_request(next_id, rng, now, hashed), now)
         next_id += 1
     while len(sched.decodes) < num_running // 2 or sched.prefilling:  # fill the running batch
         decision = sched.schedule(now)
@@ -68,7 +77,7 @@ def bench_scheduler(num_running: int, num_waiting: int, cycles: int, seed: int =
     perf, cpu = time.perf_counter, time.thread_time
     for _ in range(cycles):
         while sched.num_waiting < num_waiting:
-            sched.add_request(_request(next_id, rng, now), now)
+            sched.add_request(_request(next_id, rng, now, hashed), now)
             next_id += 1
         c0, t0 = cpu(), perf()
         decision = sched.schedule(now)
@@ -97,7 +106,7 @@ def bench_scheduler(num_running: int, num_waiting: int, cycles: int, seed: int =
 
 
 def run(args: argparse.Namespace) -> int:
-    result = bench_scheduler(args.running, args.waiting, args.cycles, args.seed, args.policy)
+    result = bench_scheduler(args.running, args.waiting, args.cycles, args.seed, args.policy, args.prefix_caching)
     if args.json:
         print(json.dumps({"p50_us": result["p50_us"], "p99_us": result["p99_us"]}))
     else:
@@ -115,5 +124,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--cycles", type=int, default=3000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policy", default="adaptive")
+    p.add_argument("--prefix-caching", action="store_true", help="prefix cache on, every prompt unique (no hits)")
     p.add_argument("--json", action="store_true", help='print only {"p50_us": ..., "p99_us": ...}')
     p.set_defaults(func=run)

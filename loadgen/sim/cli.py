@@ -30,7 +30,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from tidal_core.overrides import apply_overrides, parse_pairs
 
     try:  # checked before any trace is loaded, so a typo fails at once
-        overrides = parse_pairs(args.set or [])
+        overrides = parse_pairs([*(args.set or []), *(["enable_prefix_caching=true"] if args.prefix_caching else [])])
         for name in args.policy:
             apply_overrides(preset(name), overrides)
     except ValueError as e:
@@ -53,7 +53,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     trace = trace.clipped(args.max_model_len - 1, args.max_model_len - 1)
     autoscale = AutoscaleConfig(min_units=args.min_units, max_units=args.max_units) if args.autoscale else None
     spec = RunSpec(trace, base, cost, Slo(args.slo_ttft, args.slo_tpot), units=args.units, autoscale=autoscale,
-                   provisioning_s=args.provisioning_s, seed=args.seed, overrides=overrides)
+                   provisioning_s=args.provisioning_s, seed=args.seed, overrides=overrides, routing=args.routing)
     runs = [run_policy(spec, p, progress=not args.quiet) for p in args.policy]
     out = Path(args.out)
     write_run(out, f"{trace.name} on {cost.name}", runs, spec.slo, requests_jsonl=not args.no_requests)
@@ -88,6 +88,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--min-units", type=int, default=1)
     p.add_argument("--max-units", type=int, default=8)
     p.add_argument("--provisioning-s", type=float, default=300.0, help="time before a new unit serves")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="turn the prefix cache on (traces with prefix ids, e.g. mooncake-conv, get hits); the summary "
+                        "then shows its hit rate beside an unbounded cache's")
+    p.add_argument("--routing", choices=("load", "prefix"), default="load",
+                   help="fleet routing: least-loaded of two (load) or cache-aware (prefix)")
     p.add_argument("--hours", type=float, default=None)
     p.add_argument("--rate-scale", type=float, default=1.0)
     p.add_argument("--peak-load", type=float, default=1.3,

@@ -3,18 +3,22 @@
 Owns: `Fleet` — which units exist, which are provisioning (a new unit serves only after
 `provisioning_s`, the time to get GPU nodes and load weights), which are draining (no new
 requests; retired once empty), and their GPU-time intervals. Routing calls
-`tidal_core.choose_unit`; scaling calls `tidal_core.decide`: no policy code here.
+`tidal_core.choose_unit`, or with `routing="prefix"` the cache-aware `PrefixAwareRouter`
+(it reads the units' published loads); scaling calls `tidal_core.decide`: no policy code here.
 Imports the unit and the config; must not import the event loop (loadgen.sim.simulation).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import Any
 
 from loadgen.sim.config import SimConfig
 from loadgen.sim.unit import Unit, unit_load
 from tidal_core import AutoscaleObservation, AutoscaleState, choose_unit, decide
+from tidal_core.front_admission import published_load
+from tidal_core.prefix_routing import PrefixAwareRouter, PrefixRoutingConfig
 
 
 class Fleet:
@@ -31,6 +35,11 @@ class Fleet:
         for _ in range(start):
             self._spawn(0.0, 0.0)
         self._serving: list[Unit] = list(self.units.values())
+        self.prefix_router: PrefixAwareRouter | None = None
+        if config.routing == "prefix":
+            sc = config.scheduler
+            self.prefix_router = PrefixAwareRouter(
+                PrefixRoutingConfig(index_blocks=sc.num_kv_blocks, block_size=sc.block_size), rng)
 
     def _spawn(self, now: float, ready: float) -> None:
         uid = self._next_uid
@@ -44,14 +53,19 @@ class Fleet:
         self._serving = [u for u in self.units.values() if u.ready_s <= now and not u.draining]
         return self._serving
 
-    def route(self, now: float) -> Unit | None:
+    def route(self, now: float, hashes: Sequence[int] | None = None, num_prompt_tokens: int = 0) -> Unit | None:
         serving = self._serving
         if len(serving) == 1 and not self.config.autoscale:
             return serving[0]
         serving = self._refresh_serving(now)
         if len(serving) <= 1:
             return serving[0] if serving else None
-        uid = choose_unit([unit_load(u, now) for u in serving], self.rng)
+        router = self.prefix_router
+        if router is None:
+            uid = choose_unit([unit_load(u, now) for u in serving], self.rng)
+        else:
+            uid = router.choose([published_load(u.sched, now, str(u.uid)) for u in serving], hashes,
+                                num_prompt_tokens)
         return self.units[int(uid)] if uid is not None else None
 
     def tick(self, now: float) -> list[Unit]:
@@ -79,6 +93,8 @@ class Fleet:
             unit.end_s = now
             del self.units[unit.uid]
             self.retired.append(unit)
+            if self.prefix_router is not None:
+                self.prefix_router.forget(str(unit.uid))
 
     def snapshot(self, now: float) -> dict[str, Any]:
         serving = [u for u in self.units.values() if u.ready_s <= now and not u.draining]

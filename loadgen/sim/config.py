@@ -14,6 +14,10 @@ from loadgen.report import Slo
 from loadgen.retry_policy import RetryPolicy
 from tidal_core import AutoscaleConfig, SchedulerConfig
 
+ROUTINGS = ("load", "prefix")
+"""Fleet routing: "load" (`choose_unit`, the least-loaded of two) or "prefix" (cache-aware,
+core/prefix_routing.py)."""
+
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -28,3 +32,8 @@ class SimConfig:
     sample_interval_s: float = 60.0
     seed: int = 0
     retries: RetryPolicy | None = None  # clients retry refusals (loadgen/sim/retries.py); None: never
+    routing: str = "load"
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing={self.routing!r} is unknown; use one of {ROUTINGS}")

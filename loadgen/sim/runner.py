@@ -79,6 +79,7 @@ class RunSpec:
     scheduler: SchedulerConfig | None = None  # an exact config (e.g. a Serve config's) instead of preset + SLO
     overrides: dict[str, str] = field(default_factory=dict)  # dotted field=value, applied last
     retries: RetryPolicy | None = None  # clients retry refused requests (the openai client's rules)
+    routing: str = "load"  # fleet routing: "load" or "prefix" (cache-aware)
 
 
 def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:
@@ -90,7 +91,7 @@ def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:
     cfg = apply_overrides(cfg, spec.overrides)  # `tidal simulate --set`: last, so any field can change
     config = SimConfig(cfg, executor_factory(spec.cost_model), spec.slo, num_units=spec.units,
                        gpus_per_unit=spec.cost_model.tp, autoscale=spec.autoscale, provisioning_s=spec.provisioning_s,
-                       seed=spec.seed, retries=spec.retries)
+                       seed=spec.seed, retries=spec.retries, routing=spec.routing)
     bar = tqdm(total=len(spec.trace), desc=f"{policy:>10}", unit="req", disable=not progress, leave=False,
                mininterval=1.0)
     t0 = time.perf_counter()
@@ -99,8 +100,12 @@ def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:
     bar.close()
     run.wall_s = wall
     gpu_by_hour = gpu_hours_by_hour(run.unit_intervals, spec.trace.duration_s, spec.cost_model.tp)
-    return PolicyRun(policy, run, summarize(run.outcomes, spec.slo),
-                     per_hour(run.outcomes, spec.slo, gpu_hours_by_hour=gpu_by_hour), wall)
+    summary = summarize(run.outcomes, spec.slo)
+    if run.prefix_cache:  # prefix caching on: its hit rate beside an unbounded cache's
+        summary["prefix_hit_rate"] = round(run.prefix_cache["hit_rate"], 4)
+        summary["prefix_ideal_hit_rate"] = round(run.prefix_cache["ideal_hit_rate"], 4)
+        summary["prefix_ideal_hit_rate_served"] = round(run.prefix_cache["ideal_hit_rate_served"], 4)
+    return PolicyRun(policy, run, summary, per_hour(run.outcomes, spec.slo, gpu_hours_by_hour=gpu_by_hour), wall)
 
 
 def gpu_hours_by_hour(intervals: Sequence[tuple[float, float]], duration_s: float, gpus: int) -> list[float]:
@@ -131,7 +136,8 @@ def write_run(out_dir: Path, title: str, runs: Sequence[PolicyRun], slo: Slo, re
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "summary.json", {r.policy: r.summary for r in runs})
     write_json(out_dir / "per_hour.json", {r.policy: r.hours for r in runs})
-    write_json(out_dir / "counters.json", {r.policy: {**r.run.counters, "wall_s": round(r.wall_s, 2)} for r in runs})
+    write_json(out_dir / "counters.json", {r.policy: {**r.run.counters, "prefix_cache": r.run.prefix_cache,
+                                                         "wall_s": round(r.wall_s, 2)} for r in runs})
     if requests_jsonl:
         for r in runs:
             write_requests_jsonl(out_dir / f"{r.policy}.requests.jsonl", r.run.outcomes)
@@ -157,7 +163,10 @@ SUMMARY_COLUMNS = ("policy", "arrived", "completed", "rejected", "ttft_p50_ms", 
 
 
 def summary_markdown(runs: Sequence[PolicyRun]) -> str:
-    return markdown_table([{"policy": r.policy, **r.summary} for r in runs], SUMMARY_COLUMNS)
+    columns: tuple[str, ...] = SUMMARY_COLUMNS
+    if any("prefix_hit_rate" in r.summary for r in runs):
+        columns += ("prefix_hit_rate", "prefix_ideal_hit_rate", "prefix_ideal_hit_rate_served")
+    return markdown_table([{"policy": r.policy, **r.summary} for r in runs], columns)
 
 
 def per_hour_markdown(runs: Sequence[PolicyRun], metric: str = "goodput_rps") -> str:

@@ -29,6 +29,7 @@ from loadgen.records import Trace
 from loadgen.report import ERROR, OK, REJECTED, RunOutcomes
 from loadgen.sim.cluster import Fleet
 from loadgen.sim.config import SimConfig
+from loadgen.sim.prefix_blocks import PrefixBlocks, ideal_hit_rate
 from loadgen.sim.retries import RetryingClients
 from loadgen.sim.unit import Unit
 from tidal_core import Request, Run, SamplingParams, Scheduler, WaitUntil
@@ -53,6 +54,7 @@ class SimRun:
     counters: dict[str, dict[str, int]]
     wall_s: float = 0.0
     retries: RetryingClients | None = None
+    prefix_cache: dict[str, float] = field(default_factory=dict)  # hit counters, rates, the ideal
 
 
 class _Recorder:
@@ -85,6 +87,9 @@ class Simulation:
         self._seq = itertools.count(1)
         self._regime_of: dict[int, str] = {}
         self.retries = RetryingClients(config.retries, trace, config.seed) if config.retries is not None else None
+        # Block hashes for the prefix cache and the cache-aware router, from the trace's prefix ids.
+        self.prefix = PrefixBlocks(trace, config.scheduler.block_size)
+        self._hashing = self.prefix.enabled and (config.scheduler.enable_prefix_caching or config.routing == "prefix")
 
     def run(self) -> SimRun:
         """Take the earliest of: a sample, an autoscale tick, an arrival, an engine event."""
@@ -126,8 +131,10 @@ class Simulation:
 
     def on_arrival(self, i: int, now: float) -> None:
         """Route request `i`; admission may reject it; an idle or waiting unit re-decides."""
-        unit = self.fleet.route(now)
+        hashes = self.prefix.hashes(i, self.inputs[i]) if self._hashing else None
+        unit = self.fleet.route(now, hashes, self.inputs[i])
         req = Request(str(i), self.inputs[i], SamplingParams(max_tokens=self.outputs[i], ignore_eos=True), now)
+        req.block_hashes = hashes
         rejection = unit.sched.add_request(req, now) if unit is not None else None
         if unit is None or rejection is not None:
             self.rec.status[i] = REJECTED
@@ -200,7 +207,25 @@ class Simulation:
                                float(trace.duration_s), gpu_hours, counters["preempted"].get("kv_exhausted", 0),
                                extra={"predicted_ttft_s": rec.predicted_ttft})
         return SimRun(outcomes, self.samples, intervals, {k: dict(v) for k, v in counters.items()},
-                      retries=self.retries)
+                      retries=self.retries, prefix_cache=self._prefix_summary(fleet.all_units()))
+
+    def _prefix_summary(self, units: list[Unit]) -> dict[str, float]:
+        """The fleet's prefix-cache counters, its hit rate and an unbounded cache's (empty when off)."""
+        if not self.config.scheduler.enable_prefix_caching:
+            return {}
+        keys = ("prefix_cache_query_tokens", "prefix_cache_hit_tokens", "prefix_cache_query_requests",
+                "prefix_cache_hit_requests")
+        out: dict[str, float] = {k: float(sum(getattr(u.sched.stats, k) for u in units)) for k in keys}
+        q, qr = out["prefix_cache_query_tokens"], out["prefix_cache_query_requests"]
+        out["hit_rate"] = out["prefix_cache_hit_tokens"] / q if q else 0.0
+        out["request_hit_rate"] = out["prefix_cache_hit_requests"] / qr if qr else 0.0
+        bs = self.config.scheduler.block_size
+        ideal = ideal_hit_rate(self.trace, bs, self.inputs)
+        out["ideal_hit_rate"] = ideal if ideal is not None else 0.0
+        served = ideal_hit_rate(self.trace, bs, self.inputs, (self.rec.status != REJECTED).tolist())
+        out["ideal_hit_rate_served"] = served if served is not None else 0.0
+        out["evictions"] = float(sum(c.num_evictions for u in units if (c := u.sched.q.cache) is not None))
+        return out
 
 
 def simulate(trace: Trace, config: SimConfig, progress: Callable[[int], None] | None = None) -> SimRun:

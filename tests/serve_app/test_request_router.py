@@ -1,0 +1,58 @@
+"""The Serve request router's choice: the core policy over the units' reports, prefix-aware."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from serve_app.request_router import TidalRequestRouter, prompt_token_ids
+from serve_app.unit_api import GenerateRequest
+from tidal_core import SamplingParams, UnitLoad
+
+
+def replica(uid: str, delay: float = 0.0) -> Any:
+    stats = UnitLoad(uid, 1, 0, delay, 0.1, prefill_s_per_token=1e-3).to_stats()
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid), routing_stats=stats)
+
+
+def pending(tokens: list[int]) -> Any:
+    return SimpleNamespace(args=[GenerateRequest("r", tokens, SamplingParams(), 0.0)], kwargs={})
+
+
+def router(**kw: Any) -> TidalRequestRouter:
+    r = TidalRequestRouter.__new__(TidalRequestRouter)  # the choice only: no Serve controller needed
+    r.initialize_state(seed=0, **kw)
+    return r
+
+
+def choose(r: TidalRequestRouter, replicas: list[Any], req: Any) -> str:
+    ranked = asyncio.run(r.choose_replicas(replicas, req))
+    assert sorted(x.replica_id.unique_id for tier in ranked for x in tier) == sorted(
+        x.replica_id.unique_id for x in replicas), "every replica stays a fallback"
+    return str(ranked[0][0].replica_id.unique_id)
+
+
+def test_a_shared_prompt_prefix_sticks_to_one_unit() -> None:
+    r = router(block_size=16, index_blocks=4096)
+    replicas = [replica(f"u{i}") for i in range(4)]
+    system = list(range(1000, 1512))  # 512 tokens of shared system prompt
+    first = choose(r, replicas, pending([*system, 1, 2, 3]))
+    assert all(choose(r, replicas, pending([*system, 7, i])) == first for i in range(8))
+
+
+def test_a_much_busier_unit_loses_its_affinity() -> None:
+    r = router(block_size=16, index_blocks=4096)
+    system = list(range(512))
+    first = choose(r, [replica("a"), replica("b")], pending(system))
+    other = "b" if first == "a" else "a"
+    busy = [replica(first, delay=5.0), replica(other)]
+    assert choose(r, busy, pending([*system, 9])) == other
+
+
+def test_without_prompt_ids_or_with_prefix_routing_off_it_is_load_only() -> None:
+    assert prompt_token_ids(SimpleNamespace(args=["not a request"], kwargs={})) is None
+    assert prompt_token_ids(None) is None
+    r = router(prefix_routing=False)
+    assert choose(r, [replica("a", 0.5), replica("b", 0.0)], pending(list(range(600)))) == "b"
+    assert choose(router(), [replica("a", 0.5), replica("b", 0.0)], SimpleNamespace(args=[], kwargs={})) == "b"
