@@ -72,7 +72,7 @@ class Driver:
 
 
 def _kv_of(ex: LocalExecutor, blocks: list[int]) -> list[torch.Tensor]:
-    index = torch.tensor(blocks)
+    index = torch.tensor(blocks, device=ex.runner.device)
     return [t.index_select(0, index).clone() for layer in ex.runner.kv_caches for t in layer]
 
 
@@ -83,7 +83,9 @@ def _alone(path: Path, prompt: list[int], decodes: int, **kw: object) -> list[in
     return d.outputs["x"]
 
 
-def _check_reuse(path: Path, chunks: list[int] | None, **kw: object) -> None:
+def check_reuse(path: Path, chunks: list[int] | None, **kw: object) -> None:
+    """A reads its prompt and decodes; B arrives sharing A's first 4 blocks (cached), runs beside
+    A, outlives it; both give their uncached runs' tokens, and A's blocks are never written."""
     a_prompt = list(range(10, 32))  # 22 tokens: 5 full blocks + 2
     b_prompt = [*a_prompt[:16], 200, 201, 7, 9, 40, 41, 42, 43, 44]  # shares A's first 4 blocks
     want_a, want_b = _alone(path, a_prompt, 10, **kw), _alone(path, b_prompt, 9, **kw)
@@ -104,16 +106,16 @@ def _check_reuse(path: Path, chunks: list[int] | None, **kw: object) -> None:
 
 
 def test_cached_prefix_gives_the_tokens_of_an_uncached_run(tiny_path: Path) -> None:
-    _check_reuse(tiny_path, None)
+    check_reuse(tiny_path, None)
 
 
 def test_cached_prefix_then_chunked_suffix(tiny_path: Path) -> None:
-    _check_reuse(tiny_path, [3, 6])
+    check_reuse(tiny_path, [3, 6])
 
 
 @pytest.mark.skipif(not (HAVE_TRITON and TRITON_READY), reason="Triton not installed")
 def test_cached_prefix_triton_kernel(tiny_path: Path) -> None:
-    _check_reuse(tiny_path, [5, 4], attention_backend="triton")
+    check_reuse(tiny_path, [5, 4], attention="triton")
 
 
 def test_a_cache_hit_outside_the_contract_is_refused(tiny_path: Path) -> None:
