@@ -5,7 +5,9 @@ table, sampling params) and the contract with the core scheduler (tidal_core/pla
 finished ids are dropped first, new requests introduced, block tables extended, then every
 scheduled token is computed in one flattened forward; a token is sampled for each request
 whose scheduled tokens reach the end of its known tokens, and appended to its state (the
-input of its next decode). With tensor parallelism all ranks run the same plan; rank 0
+input of its next decode). A prefix-cache hit starts a new request's state at its
+`num_computed_tokens`: the KV of those tokens is read from the (shared) blocks another
+request computed, and never written. With tensor parallelism all ranks run the same plan; rank 0
 samples and broadcasts the tokens so every rank's state stays identical.
 
 Must not import: ray, transformers (the model is built by actors/model_loader.py).
@@ -26,7 +28,24 @@ from actors.models.attention import BACKENDS
 from actors.paged_attention import build_prefill
 from actors.sampler import Sampler
 from actors.step_timing import StepClock
-from tidal_core.plan import StepPlan, StepResult
+from tidal_core.plan import NewRequestData, StepPlan, StepResult
+
+
+def _cached_start(step_id: int, new: NewRequestData, block_size: int) -> int:
+    """Where a new request's state starts: after the prefix-cache hit its first blocks hold.
+
+    Those blocks were computed by another request and may be shared; this request never writes
+    them, so the hit must end on a block boundary, leave at least one token to compute (the
+    one whose logits give the next token) and lie inside the block table it arrives with.
+    """
+    n = new.num_computed_tokens
+    if n == 0:
+        return 0
+    if n < 0 or n >= new.num_tokens or n % block_size or n // block_size > len(new.block_ids):
+        raise AssertionError(f"step {step_id}: {new.request_id} reuses {n} cached tokens of {new.num_tokens} "
+                             f"with {len(new.block_ids)} blocks of {block_size}: want a whole number of its "
+                             f"blocks, fewer than its tokens")
+    return n
 
 
 class ModelRunner:
@@ -66,7 +85,8 @@ class ModelRunner:
                 raise AssertionError(f"step {plan.step_id}: {new.request_id} introduced twice")
             if new.token_ids is None or len(new.token_ids) != new.num_tokens:
                 raise AssertionError(f"step {plan.step_id}: {new.request_id} arrives without its token ids")
-            states[new.request_id] = RequestState(list(new.token_ids), 0, list(new.block_ids), new.sampling)
+            start = _cached_start(plan.step_id, new, self.block_size)
+            states[new.request_id] = RequestState(list(new.token_ids), start, list(new.block_ids), new.sampling)
         for rid, blocks in plan.new_block_ids.items():
             st = states.get(rid)
             if st is None:

@@ -1,8 +1,8 @@
 """The tidalserve Grafana dashboard, generated from serve_app/metric_defs.py and the config's SLO.
 
 Owns: `serving_dashboard(targets)` (one dashboard, seven rows: traffic and regime, latency
-against the SLO, batching, KV cache and queue, admission and failures, units and autoscaling,
-API keys)
+against the SLO, batching, KV cache (and its prefix-cache hit rate) and queue, admission and
+failures, units and autoscaling, API keys)
 and `all_dashboards`. Every series name comes from a `MetricDef` (through ops/promql.py)
 or from promql's list of Ray Serve metrics; every threshold line from `Targets` (the config).
 docs/operations.md describes each panel. Must not import ray.
@@ -103,7 +103,20 @@ def _kv_queue(t: Targets) -> list[Panel]:
            [Target(Q.gauge(M.RUNNING), UNIT_LEGEND)], "short", width=8),
         ts("Waiting requests by unit", "Requests queued for admission.",
            [Target(Q.gauge(M.WAITING), UNIT_LEGEND)], "short", width=8),
+        ts("Prefix-cache hit rate", "Share of the prompt tokens looked up at admission whose KV the prefix cache "
+           "held (tokens), and share of admissions with any cached block (requests).",
+           [Target(_ratio(M.PREFIX_HIT_TOKENS, M.PREFIX_QUERIED_TOKENS), "tokens"),
+            Target(_ratio(M.PREFIX_HIT_REQUESTS, M.PREFIX_QUERIED_REQUESTS), "requests")], "percentunit",
+           width=12),
+        ts("Prefix-cache tokens", "Prompt tokens per second looked up in the prefix cache and found there "
+           "(found tokens are not computed).",
+           [Target(Q.counter_rate(M.PREFIX_QUERIED_TOKENS), "queried"),
+            Target(Q.counter_rate(M.PREFIX_HIT_TOKENS), "hit")], "short", width=12),
     ]
+
+
+def _ratio(hit: M.MetricDef, queried: M.MetricDef) -> str:
+    return f"{Q.counter_rate(hit)} / {Q.counter_rate(queried)}"
 
 
 def _admission(t: Targets) -> list[Panel]:

@@ -14,7 +14,7 @@ import dataclasses
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tidal_core import POLICIES, SchedulerConfig, preset
 from tidal_core.config import ServicePrior
@@ -60,12 +60,25 @@ class SchedulerArgs(_Strict):
     max_num_batched_tokens: int = Field(2048, ge=1)
     kv_watermark: float = Field(0.01, ge=0, lt=0.5)
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes the unit "
+                                        "computed before (false: every prompt is computed in full)")
     cuda_graph_buckets: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     load_tau_s: float = Field(10.0, gt=0)
     batching: dict[str, Any] = Field(default_factory=dict, description="overrides of core BatchingConfig")
     regime: dict[str, Any] = Field(default_factory=dict, description="overrides of core RegimeConfig")
     admission: dict[str, Any] = Field(default_factory=dict, description="overrides of core AdmissionConfig")
     step_sizing: dict[str, Any] = Field(default_factory=dict, description="overrides of core StepSizingConfig")
+
+    @field_validator("enable_prefix_caching", mode="before")
+    @classmethod
+    def _a_switch(cls, value: Any) -> Any:
+        words = {"true": True, "on": True, "yes": True, "false": False, "off": False, "no": False}
+        if isinstance(value, str) and value.strip().lower() in words:
+            return words[value.strip().lower()]
+        if not isinstance(value, bool):
+            raise ValueError(f"scheduler.enable_prefix_caching={value!r} is not a switch: write true, or false "
+                             "to turn the prefix cache off")
+        return value
 
     @model_validator(mode="after")
     def _known_policy(self) -> SchedulerArgs:
@@ -165,6 +178,7 @@ def scheduler_config(args: SchedulerArgs, *, num_kv_blocks: int, block_size: int
         max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks,
         kv_watermark=args.kv_watermark, enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
         cuda_graph_buckets=tuple(args.cuda_graph_buckets), load_tau_s=args.load_tau_s,
         service_prior=service_prior or ServicePrior(),
     )

@@ -219,7 +219,7 @@ class EngineLoop:
                 item = queue.get_nowait()
             stream.last_sent = self.clock()
             yield GenerateChunk(tokens, stream.finish_reason if done and error is None else None, logprobs,
-                                num_prompt, error)
+                                num_prompt, error, num_cached_tokens=stream.request.num_cached_tokens)
             if done:
                 return
 

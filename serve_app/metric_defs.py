@@ -91,6 +91,16 @@ GENERATION_TOKENS = MetricDef("tidal_generation_tokens", "counter", "Tokens gene
 ARRIVALS = MetricDef("tidal_requests_arrived", "counter", "Requests that reached a router")
 ENGINE_ERRORS = MetricDef("tidal_engine_errors", "counter", "Engine failures (dead workers), by kind",
                           (UNIT_TAG, "kind"))
+# Prefix cache: hit rate = rate(hit) / rate(queried), in tokens and in requests. A lookup happens
+# at each admission (again after a preemption); the counters are the scheduler's own.
+PREFIX_QUERIED_TOKENS = MetricDef("tidal_prefix_cache_queried_tokens", "counter",
+                                  "Prompt tokens looked up in the prefix cache at admission")
+PREFIX_HIT_TOKENS = MetricDef("tidal_prefix_cache_hit_tokens", "counter",
+                              "Prompt tokens found in the prefix cache at admission (KV reused, not computed)")
+PREFIX_QUERIED_REQUESTS = MetricDef("tidal_prefix_cache_queried_requests", "counter",
+                                    "Admissions that looked their prompt up in the prefix cache")
+PREFIX_HIT_REQUESTS = MetricDef("tidal_prefix_cache_hit_requests", "counter",
+                                "Admissions that found at least one prompt block in the prefix cache")
 
 KEY_TAG = "key"
 """API-key usage is labelled by key id (`key-` + a SHA-256 prefix), never by the key itself."""
@@ -106,5 +116,6 @@ ALL_METRICS: tuple[MetricDef, ...] = (
     TTFT, ITL, E2E, QUEUE_TIME, MICROWAIT, BATCH_SIZE, STEP_TIME, TTFT_PREDICTION,
     RUNNING, WAITING, KV_USAGE, REGIME, LOAD, CAPACITY, QUEUE_DELAY, PADDING_WASTE, UNITS_DESIRED, UNITS_DEMAND,
     DISPATCHES, REJECTIONS, PREEMPTIONS, FINISHED, PROMPT_TOKENS, GENERATION_TOKENS, ARRIVALS, ENGINE_ERRORS,
+    PREFIX_QUERIED_TOKENS, PREFIX_HIT_TOKENS, PREFIX_QUERIED_REQUESTS, PREFIX_HIT_REQUESTS,
     API_REQUESTS, API_TOKENS, AUTH_FAILURES,
 )

@@ -17,6 +17,12 @@ from serve_app import metric_defs as M
 from tidal_core import Request, Scheduler, StepPlan
 from tidal_core.regime import REGIME_LEVEL
 
+# The scheduler's cumulative prefix-cache counters (SchedulerStats fields) and their metrics.
+PREFIX_COUNTERS = (("prefix_cache_query_tokens", M.PREFIX_QUERIED_TOKENS),
+                   ("prefix_cache_hit_tokens", M.PREFIX_HIT_TOKENS),
+                   ("prefix_cache_query_requests", M.PREFIX_QUERIED_REQUESTS),
+                   ("prefix_cache_hit_requests", M.PREFIX_HIT_REQUESTS))
+
 
 def _make(defn: M.MetricDef) -> Any:
     if defn.kind == "counter":
@@ -25,6 +31,11 @@ def _make(defn: M.MetricDef) -> Any:
         return ray_metrics.Gauge(defn.name, description=defn.description, tag_keys=defn.tag_keys)
     return ray_metrics.Histogram(defn.name, description=defn.description, boundaries=list(defn.boundaries),
                                  tag_keys=defn.tag_keys)
+
+
+def prefix_cache_counters(stats: Any) -> dict[str, int]:
+    """The scheduler's prefix-cache counters by name (0 for a scheduler without them)."""
+    return {field: int(getattr(stats, field, 0)) for field, _ in PREFIX_COUNTERS}
 
 
 class UnitMetrics:
@@ -40,6 +51,7 @@ class UnitMetrics:
                 metric.set_default_tags({M.UNIT_TAG: unit})
                 self._m[defn.name] = metric
         self._reasons: dict[tuple[str, str], dict[str, str]] = {}
+        self._prefix_seen = dict.fromkeys((field for field, _ in PREFIX_COUNTERS), 0)
 
     def _tags(self, key: str, value: str) -> dict[str, str]:
         tags = self._reasons.get((key, value))
@@ -67,9 +79,19 @@ class UnitMetrics:
             m[M.GENERATION_TOKENS.name].inc(plan.num_decode_seqs)
         if stats and stats.num_preempted:
             m[M.PREEMPTIONS.name].inc(stats.num_preempted, self._tags("reason", "kv_exhausted"))
+        self._prefix_counters(sched)
         if now >= self._next_gauge:
             self._next_gauge = now + self.gauge_period_s
             self.refresh_gauges(sched, now)
+
+    def _prefix_counters(self, sched: Scheduler) -> None:
+        """Advance each prefix-cache counter by what the scheduler's own counter gained."""
+        seen, now = self._prefix_seen, prefix_cache_counters(sched.stats)
+        for field, defn in PREFIX_COUNTERS:
+            value = now[field]
+            if value > seen[field]:
+                self._m[defn.name].inc(value - seen[field])
+                seen[field] = value
 
     def on_first_token(self, req: Request, now: float) -> None:
         self._m[M.TTFT.name].observe(now - req.arrival_s)

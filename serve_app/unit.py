@@ -22,7 +22,7 @@ from ray import serve
 
 from serve_app.config_loader import AppArgs, EngineArgs, scheduler_config
 from serve_app.engine_loop import EngineLoop, StreamCoalescing
-from serve_app.metrics import UnitMetrics
+from serve_app.metrics import UnitMetrics, prefix_cache_counters
 from serve_app.unit_api import GenerateChunk, GenerateRequest, ModelInfo
 from tidal_core import Scheduler, UnitLoad
 from tidal_core.config import AdmissionConfig, ServicePrior
@@ -159,7 +159,7 @@ class ServingUnit:
                 "regime_name": s.current_regime.value, "policy": s.config.policy,
                 "finished": dict(s.stats.finished), "rejected": dict(s.stats.rejected),
                 "preempted": dict(s.stats.preempted), "num_steps": s.stats.num_steps,
-                "num_arrived": s.stats.num_arrived}
+                "num_arrived": s.stats.num_arrived, "prefix_cache": prefix_cache_counters(s.stats)}
 
     async def memory_growth(self, baseline: bool = False, top: int = 12) -> list[str]:
         """Where this process's Python memory grew since the baseline (`baseline=True` takes it),

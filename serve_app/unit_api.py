@@ -8,7 +8,8 @@ boundaries by pickle, and the ingress can be tested without Ray.
 Streaming protocol: `router.generate.options(stream=True).remote(request)` yields chunks.
 The first chunk may be an error (rejected by admission control: 429; no unit: 503; bad
 parameters found late: 400) and then the stream ends. Otherwise chunks carry token ids (one
-or more per chunk, in order) and the last chunk carries `finish_reason`. Cancelling the
+or more per chunk, in order) and the last chunk carries `finish_reason`; every token chunk
+carries the prompt's count and how many of its tokens the unit found in its prefix cache. Cancelling the
 stream (client disconnect, or a stop string matched at the ingress) aborts the request in the
 router and frees its KV blocks.
 
@@ -62,6 +63,8 @@ class GenerateChunk:
     num_prompt_tokens: int = 0
     error: EngineError | None = None
     load: UnitLoad | None = None  # with `report_load`: the unit's snapshot right after its admission verdict
+    # Prompt tokens whose KV came from the unit's prefix cache (0 until the request is admitted to run)
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

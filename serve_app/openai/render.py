@@ -34,6 +34,7 @@ from serve_app.openai.responses import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
@@ -91,19 +92,21 @@ def chat_logprobs(records: Sequence[TokenLogprob], strings: TokenStrings, num: i
     return ChatChoiceLogprobs(content=content)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
-def merge_responses(responses: Sequence[CompletionResponse | ChatCompletionResponse], prompt_tokens: int
-                    ) -> CompletionResponse | ChatCompletionResponse:
-    """One response holding every choice (each renderer set its own `index`); the prompt is
-    counted once, the completion tokens of every choice are added up (OpenAI's usage for n > 1)."""
+def merge_responses(responses: Sequence[CompletionResponse | ChatCompletionResponse], prompt_tokens: int,
+                    cached_tokens: int) -> CompletionResponse | ChatCompletionResponse:
+    """One response holding every choice (each renderer set its own `index`); the prompt (and
+    its cached part) is counted once, the completion tokens of every choice are added up
+    (OpenAI's usage for n > 1)."""
     first = responses[0]
     choices = [choice for r in responses for choice in r.choices]
     completion = sum(r.usage.completion_tokens for r in responses if r.usage is not None)
-    return first.model_copy(update={"choices": choices, "usage": _usage(prompt_tokens, completion)})
+    return first.model_copy(update={"choices": choices, "usage": _usage(prompt_tokens, completion, cached_tokens)})
 
 
 class CompletionRenderer:
@@ -131,17 +134,17 @@ class CompletionRenderer:
                                   finish_reason=_finish(step.finish_reason))
         return self._chunk([choice])
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> BaseModel:
-        return self._chunk([], _usage(prompt_tokens, completion_tokens))
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> BaseModel:
+        return self._chunk([], _usage(prompt_tokens, completion_tokens, cached_tokens))
 
     def response(self, text: str, records: Sequence[TokenLogprob], finish_reason: str | None, prompt_tokens: int,
-                 completion_tokens: int) -> CompletionResponse:
+                 completion_tokens: int, cached_tokens: int) -> CompletionResponse:
         logprobs = None
         if self.num_logprobs is not None:
             logprobs = completion_logprobs(records, self.strings, self.num_logprobs)
         choice = CompletionChoice(index=self.index, text=(self.echo_text or "") + text, logprobs=logprobs,
                                   finish_reason=_finish(finish_reason))
-        return self._chunk([choice], _usage(prompt_tokens, completion_tokens))
+        return self._chunk([choice], _usage(prompt_tokens, completion_tokens, cached_tokens))
 
 
 class ChatRenderer:
@@ -170,15 +173,15 @@ class ChatRenderer:
         return self._chunk([ChatCompletionStreamChoice(index=self.index, delta=delta, logprobs=logprobs,
                                                        finish_reason=_finish(step.finish_reason))])
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> BaseModel:
-        return self._chunk([], _usage(prompt_tokens, completion_tokens))
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> BaseModel:
+        return self._chunk([], _usage(prompt_tokens, completion_tokens, cached_tokens))
 
     def response(self, text: str, records: Sequence[TokenLogprob], finish_reason: str | None, prompt_tokens: int,
-                 completion_tokens: int) -> ChatCompletionResponse:
+                 completion_tokens: int, cached_tokens: int) -> ChatCompletionResponse:
         logprobs = None
         if self.num_logprobs is not None:
             logprobs = chat_logprobs(records, self.strings, self.num_logprobs)
         choice = ChatCompletionChoice(index=self.index, message=ChatResponseMessage(content=text), logprobs=logprobs,
                                       finish_reason=_finish(finish_reason))
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=[choice],
-                                      usage=_usage(prompt_tokens, completion_tokens))
+                                      usage=_usage(prompt_tokens, completion_tokens, cached_tokens))

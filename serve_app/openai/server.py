@@ -4,7 +4,8 @@ Owns: `OpenAIServer` (validate against the served model, tokenize, build `Sampli
 request, detokenize and apply stop strings, render the response or the SSE event stream) and
 `EventStream` (the SSE body; closing it cancels the engine request). A request with `n` > 1 is `n`
 engine requests with the same prompt ids (choice `i` seeded `seed + i`), started together and read
-side by side; their choices carry `index`, the usage counts the prompt once.
+side by side; their choices carry `index`, the usage counts the prompt once. The usage reports
+the prompt's prefix-cache hit (`prompt_tokens_details.cached_tokens`) as the unit's chunks carry it.
 
 Order of work for one request: model name -> prompt ids -> context length -> SamplingParams ->
 first engine chunk. Everything up to and including the first chunk raises `OpenAIError`, so a
@@ -79,6 +80,12 @@ class _Run:
     num_prompt_tokens: int
     include_usage: bool
     deadline: float | None  # event-loop time after which the request is aborted
+    cached_tokens: int = 0  # the prompt's prefix-cache hit, as the unit's latest chunk reported it
+
+    async def next(self) -> GenerateChunk:
+        chunk = await self.stream.next(self.deadline)
+        self.cached_tokens = max(self.cached_tokens, chunk.num_cached_tokens)
+        return chunk
 
 
 class EventStream:
@@ -264,7 +271,8 @@ class OpenAIServer:
             output = OutputText(self.tokenizer, ids, request.stop_strings(),
                                 include_stop=request.include_stop_str_in_output, min_tokens=request.min_tokens,
                                 skip_special_tokens=request.skip_special_tokens)
-            return _Run(stream, first, output, renderer, len(ids), request.include_usage, deadline)
+            return _Run(stream, first, output, renderer, len(ids), request.include_usage, deadline,
+                        first.num_cached_tokens)
 
         if not many:
             return [await start(0, renderers[0])]
@@ -286,7 +294,7 @@ class OpenAIServer:
             if len(runs) == 1:
                 return await self._aggregate(runs[0])
             responses = await asyncio.gather(*(self._aggregate(run) for run in runs))
-            return merge_responses(responses, runs[0].num_prompt_tokens)
+            return merge_responses(responses, runs[0].num_prompt_tokens, runs[0].cached_tokens)
         finally:
             for run in runs:
                 await run.stream.close()
@@ -301,8 +309,8 @@ class OpenAIServer:
             records.extend(step.logprobs)
             if step.finish_reason is not None:
                 return run.renderer.response("".join(parts), records, step.finish_reason, run.num_prompt_tokens,
-                                             run.output.num_tokens)
-            chunk = await run.stream.next(run.deadline)
+                                             run.output.num_tokens, run.cached_tokens)
+            chunk = await run.next()
 
     async def _choice_events(self, run: _Run) -> AsyncGenerator[BaseModel, None]:
         """One choice's rendered chunks, up to and including its finish."""
@@ -315,7 +323,7 @@ class OpenAIServer:
                     yield rendered
                 if step.finish_reason is not None:
                     return
-                chunk = await run.stream.next(run.deadline)
+                chunk = await run.next()
         finally:
             await run.stream.close()  # stop string matched, finished or failed: cancel in the router
 
@@ -329,7 +337,8 @@ class OpenAIServer:
                 yield sse_event(rendered, first.include_usage)
             if first.include_usage:
                 completion_tokens = sum(run.output.num_tokens for run in runs)
-                yield sse_event(first.renderer.usage_chunk(first.num_prompt_tokens, completion_tokens))
+                yield sse_event(first.renderer.usage_chunk(first.num_prompt_tokens, completion_tokens,
+                                                           first.cached_tokens))
         except OpenAIError as err:
             yield error_event(err)
         except Exception:  # a bug after the 200 went out: tell the client in-band, keep the traceback

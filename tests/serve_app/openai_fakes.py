@@ -39,7 +39,7 @@ class FakeEngine:
     def __init__(self, tokenizer: Any, reply: str = "Hello there! How can I help?", *, max_model_len: int = 2048,
                  tokens_per_chunk: int = 1, first_error: EngineError | None = None,
                  error_after: int | None = None, forever: bool = False, healthy: bool | Exception = True,
-                 delay_s: float = 0.0, logprobs_alternatives: int = 3) -> None:
+                 delay_s: float = 0.0, logprobs_alternatives: int = 3, cached_tokens: int = 0) -> None:
         self.model_info = ModelInfo(MODEL, max_model_len, (EOS,), "hf")
         self.reply_ids: list[int] = list(tokenizer.encode(reply, add_special_tokens=False))
         self.tokens_per_chunk = tokens_per_chunk
@@ -49,6 +49,7 @@ class FakeEngine:
         self.healthy = healthy
         self.delay_s = delay_s
         self.alternatives = logprobs_alternatives
+        self.cached_tokens = cached_tokens  # the prefix-cache hit every token chunk reports
         self.requests: list[GenerateRequest] = []
         self.closed_early: list[str] = []  # request ids whose stream was closed before it finished
         self.completed: list[str] = []
@@ -109,7 +110,8 @@ class FakeEngine:
             await asyncio.sleep(self.delay_s)
             part = ids[start:start + self.tokens_per_chunk]
             last = start + self.tokens_per_chunk >= len(ids)
-            yield GenerateChunk(part, finish if last else None, self._logprobs(part, request), n)
+            yield GenerateChunk(part, finish if last else None, self._logprobs(part, request), n,
+                                num_cached_tokens=min(self.cached_tokens, n))
 
 
 def make_app(tok: Any, max_body_bytes: int = 4 * 1024 * 1024, **engine_kw: Any) -> tuple[Any, FakeEngine]:

@@ -20,7 +20,8 @@ from serve_app.config_loader import (
     load_app_args,
     scheduler_config,
 )
-from tidal_core import AdmissionConfig, BatchingConfig, RegimeConfig, StepSizingConfig
+from tidal_core import AdmissionConfig, BatchingConfig, RegimeConfig, SchedulerConfig, StepSizingConfig
+from tidal_core.overrides import apply_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -116,3 +117,23 @@ def test_the_dev_config_queues_and_production_keeps_slo_admission() -> None:
     bad = load_app_args({"scheduler": {"admission": {"mode": "lenient"}}}, environ={})
     with pytest.raises(ValueError, match=r"admission\.mode='lenient'"):
         scheduler_config(bad.scheduler, num_kv_blocks=1000, block_size=16, max_model_len=2048)
+
+
+def test_prefix_caching_is_on_in_the_shipped_configs_and_can_be_turned_off() -> None:
+    for path in CONFIGS:
+        for app in load(path)["applications"]:
+            args = load_app_args(app["args"], environ={})
+            cfg = scheduler_config(args.scheduler, num_kv_blocks=100_000, block_size=16, max_model_len=2048)
+            assert cfg.enable_prefix_caching, path.name
+    off = load_app_args({"scheduler": {"enable_prefix_caching": False}}, environ={})
+    assert not scheduler_config(off.scheduler, num_kv_blocks=1000, block_size=16,
+                                max_model_len=2048).enable_prefix_caching
+    words = load_app_args({"scheduler": {"enable_prefix_caching": "off"}}, environ={})
+    assert words.scheduler.enable_prefix_caching is False
+    with pytest.raises(ValueError, match=r"enable_prefix_caching='maybe' is not a switch: write true, or false"):
+        load_app_args({"scheduler": {"enable_prefix_caching": "maybe"}}, environ={})
+    data = copy.deepcopy(_prod())
+    data["applications"][0]["args"]["scheduler"]["enable_prefix_caching"] = 2
+    assert any("enable_prefix_caching=2" in e for e in check_serve_config(data))
+    assert not apply_overrides(SchedulerConfig(enable_prefix_caching=True),
+                               {"enable_prefix_caching": "false"}).enable_prefix_caching

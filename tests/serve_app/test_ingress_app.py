@@ -66,7 +66,7 @@ def expected_chat_events(tok: Any, rid: str, created: int, reply: str, usage: tu
     out.append(event([choice({}, "stop")]))  # the EOS token: no text, only the finish reason
     if usage is not None:
         out.append(event([], {"prompt_tokens": usage[0], "completion_tokens": usage[1],
-                              "total_tokens": usage[0] + usage[1]}))
+                              "total_tokens": usage[0] + usage[1], "prompt_tokens_details": {"cached_tokens": 0}}))
     return "".join(out) + "data: [DONE]\n\n"
 
 
