@@ -8,7 +8,9 @@ Owns: `BatchBuilder`. A step is filled in one order for every policy:
 2. unfinished prefill chunks, oldest first;
 3. new requests from the head of the queue (FIFO), when the launch policy (core/microwait.py)
    says so, while the token budget, the sequence budget, the new-request limit and KV allow.
-   KV for a whole prompt is reserved at admission, so a prefill never stalls half-way.
+   KV for a whole prompt is reserved at admission, so a prefill never stalls half-way;
+4. then, with what is left, the batch class's chunks and new batch requests (`batch=True`,
+   driven by core/batch_lane.py). KV preemption takes a running batch request first.
 
 A prompt that does not fit what is left of the budget is chunked (with chunked prefill on).
 Static batching admits a whole batch at once; its later chunks follow step by step. How many
@@ -70,20 +72,29 @@ class BatchBuilder:
         return preempted
 
     def _pick_victim(self) -> Request:
-        """The most recently admitted running request (vLLM's recompute order)."""
+        """The most recently admitted running batch request, else the most recently admitted
+        running request (vLLM's recompute order)."""
         q = self.queues
+        if q.num_batch_running:
+            for req in (*reversed(q.prefilling.values()), *reversed(q.decodes.reqs.values())):
+                if req.is_batch:
+                    return req
         if q.prefilling:
             return next(reversed(q.prefilling.values()))
         return next(reversed(q.decodes.reqs.values()))
 
     def continue_prefills(self, budget: StepBudget, sched: dict[str, int], prefill_ctx: dict[str, int],
-                          new_reqs: list[NewRequestData]) -> int:
+                          new_reqs: list[NewRequestData], batch: bool = False) -> int:
+        """Continue the unfinished chunks of one class (interactive, or `batch`), oldest first."""
         q = self.queues
         total = 0
         chunked = self.chunked
+        mixed = q.num_batch_running > 0
         for rid, req in q.prefilling.items():
             if budget.exhausted:
                 break
+            if (mixed or batch) and req.is_batch is not batch:
+                continue
             grant = budget.grant(req.num_tokens - req.num_computed_tokens, chunked)
             if grant:
                 sched[rid] = grant
@@ -95,12 +106,14 @@ class BatchBuilder:
         return total
 
     def admit(self, now: float, budget: StepBudget, sched: dict[str, int], prefill_ctx: dict[str, int],
-              new_reqs: list[NewRequestData], room: float) -> int:
-        """Move waiting requests into the step (FIFO), at most `room` more running requests."""
+              new_reqs: list[NewRequestData], room: float, batch: bool = False, keep_free: int = 0) -> int:
+        """Move waiting requests into the step (FIFO), at most `room` more running requests;
+        `batch`: from the batch queue, leaving at least `keep_free` KV blocks free."""
         q = self.queues
-        waiting, blocks = q.waiting, q.blocks
+        waiting, blocks = q.batch.reqs if batch else q.waiting, q.blocks
         limit = min(self.new_limit, room)
-        keep_free = blocks.watermark_blocks if (q.decodes.reqs or q.prefilling) else 0
+        floor = keep_free
+        keep_free = max(floor, blocks.watermark_blocks if (q.decodes.reqs or q.prefilling) else 0)
         chunked, static = self.chunked, self.static
         admitted = total = 0
         while waiting and admitted < limit:
@@ -114,7 +127,7 @@ class BatchBuilder:
                 break
             q.start_prefill(req, now)
             admitted += 1
-            keep_free = blocks.watermark_blocks
+            keep_free = max(floor, blocks.watermark_blocks)
             if grant:
                 sched[rid] = grant
                 prefill_ctx[rid] = 0
