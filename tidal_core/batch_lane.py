@@ -88,7 +88,9 @@ class BatchLane:
         if not q.waiting or not q.num_batch_running:
             return []
         blocks, head = q.blocks, q.waiting[0]
-        keep_free = blocks.watermark_blocks if (q.decodes.reqs or q.prefilling) else 0
+        # Leave the blocks this step's decodes open too, or the freed KV goes to them instead.
+        busy = bool(q.decodes.reqs) or bool(q.prefilling)
+        keep_free = blocks.watermark_blocks + len(q.decodes.needing_block()) if busy else 0
         short = len(q.waiting) - (running_cap - q.num_running)
         victims: list[Request] = []
         while q.num_batch_running and (short > 0 or not blocks.can_allocate(head.request_id, head.num_tokens,
@@ -114,9 +116,9 @@ class BatchLane:
     def token_allowance(self, svc: ServiceModel, aim_s: float | None, num_decodes: int, prefill_tokens: int,
                         empty: bool) -> int:
         """Batch tokens that keep the step's predicted time within `step_fraction` x `aim_s`
-        (no aim: no limit). An otherwise empty step gets at least one block's worth, so batch
-        work always progresses on an idle unit."""
-        if aim_s is None:
+        (no aim: no limit). An otherwise empty step gets at least one block's worth (without
+        chunked prefill: a whole prompt), so batch work always progresses on an idle unit."""
+        if aim_s is None or (empty and not self.builder.chunked):
             return 1 << 30
         fixed = svc.overhead_s + svc.prefill_step_s + svc.decode_s_per_seq * num_decodes
         avail = self.config.step_fraction * aim_s - fixed - svc.prefill_s_per_token * prefill_tokens
@@ -132,7 +134,9 @@ class BatchLane:
         budget.tokens_left = min(saved, allowance)
         used = self.builder.continue_prefills(budget, sched, prefill_ctx, new_reqs, batch=True)
         if q.batch and not q.waiting and room > 0 and not budget.exhausted:
+            # On an empty unit any prompt that fits the pool may start (none could start later).
+            keep_free = self.keep_free_blocks if (q.decodes.reqs or q.prefilling) else 0
             used += self.builder.admit(now, budget, sched, prefill_ctx, new_reqs, room, batch=True,
-                                       keep_free=self.keep_free_blocks)
+                                       keep_free=keep_free)
         budget.tokens_left = saved - used
         return used

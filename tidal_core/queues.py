@@ -117,13 +117,13 @@ class UnitQueues:
             else:
                 self.waiting.remove(req)
                 self.waiting_tokens -= req.num_tokens - req.num_computed_tokens
-        elif rid in self.decodes:
-            self.decodes.remove(rid)
-            req.num_computed_tokens = req.num_tokens - 1
+        else:  # running: decoding, prefilling, or between the two (its prompt just completed)
             self.num_batch_running -= req.is_batch
-        elif self.prefilling.pop(rid, None) is not None:
-            self._prefill_done(req, req.num_tokens - req.num_computed_tokens)
-            self.num_batch_running -= req.is_batch
+            if rid in self.decodes:
+                self.decodes.remove(rid)
+                req.num_computed_tokens = req.num_tokens - 1
+            elif self.prefilling.pop(rid, None) is not None:
+                self._prefill_done(req, req.num_tokens - req.num_computed_tokens)
         self.blocks.free(rid)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
