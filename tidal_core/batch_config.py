@@ -24,8 +24,9 @@ class BatchClassConfig:
     queue of at most `max_queue_tokens` prompt tokens (past it: 429 `batch_queue_full` with a
     Retry-After from the measured batch drain rate, within [`min_retry_after_s`,
     `max_retry_after_s`]). They run only in what interactive requests leave: a step's batch
-    tokens keep its predicted time within `step_fraction` x the step sizer's TPOT aim, batch
-    requests start only while KV usage is below `max_kv_usage`, and they are preempted first
+    tokens keep its predicted time within `step_fraction` x the step sizer's TPOT aim, and a step
+    takes batch tokens only while every interactive decode in it has banked `bank_reserve_steps`
+    aims (the time its next prompt's prefill may borrow; core/step_sizer.py); batch requests start only while KV usage is below `max_kv_usage`, and they are preempted first
     when interactive requests need the batch slot or its KV. Off (`enabled=False`), a batch
     request is served as an interactive one (the "no batch class" comparison).
     """
@@ -34,6 +35,7 @@ class BatchClassConfig:
     max_queue_tokens: int = 4_194_304
     max_kv_usage: float = 0.9
     step_fraction: float = 0.9
+    bank_reserve_steps: float = 20.0
     min_retry_after_s: float = 1.0
     max_retry_after_s: float = 3600.0
     drain_tau_s: float = 60.0
@@ -50,4 +52,7 @@ class BatchClassConfig:
         _require(0.0 < self.min_retry_after_s <= self.max_retry_after_s,
                  f"batch.min_retry_after_s={self.min_retry_after_s} must be > 0 and <= max_retry_after_s="
                  f"{self.max_retry_after_s}")
+        _require(self.bank_reserve_steps >= 0.0,
+                 f"batch.bank_reserve_steps={self.bank_reserve_steps} must be >= 0 (TPOT aims of bank every "
+                 "interactive decode keeps before batch work may share its steps)")
         _require(self.drain_tau_s > 0.0, f"batch.drain_tau_s={self.drain_tau_s} must be > 0 seconds")

@@ -114,12 +114,14 @@ class BatchLane:
 
     # ---- filling a step ------------------------------------------------------------------
     def token_allowance(self, svc: ServiceModel, aim_s: float | None, num_decodes: int, prefill_tokens: int,
-                        empty: bool) -> int:
+                        empty: bool, min_bank_s: float = math.inf) -> int:
         """Batch tokens that keep the step's predicted time within `step_fraction` x `aim_s`
         (no aim: no limit). An otherwise empty step gets at least one block's worth (without
         chunked prefill: a whole prompt), so batch work always progresses on an idle unit."""
         if aim_s is None or (empty and not self.builder.chunked):
             return 1 << 30
+        if min_bank_s < self.config.bank_reserve_steps * aim_s:
+            return 0  # a young interactive decode is still banking the time its next prompt may need
         fixed = svc.overhead_s + svc.prefill_step_s + svc.decode_s_per_seq * num_decodes
         avail = self.config.step_fraction * aim_s - fixed - svc.prefill_s_per_token * prefill_tokens
         tokens = int(avail / svc.prefill_s_per_token) if avail > 0.0 else 0

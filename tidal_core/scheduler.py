@@ -249,10 +249,13 @@ class Scheduler:
                 self.stats.record_wait(decision.reason, max(0.0, decision.deadline_s - now))
                 return WaitUntil(decision.deadline_s, decision.reason)
         batch_tokens = 0
-        if batch_work and not budget.exhausted:
+        # Batch work takes no prefill while an interactive prompt is pending: the whole allowance
+        # (the decodes' banks) goes to interactive TTFT first.
+        if batch_work and not budget.exhausted and not waiting and q.prefill_remaining == q.batch_prefill_remaining:
             assert lane is not None
-            limit = lane.token_allowance(self.load.service, self.sizer.aim_s if self.sizer else None, n_dec,
-                                         prefill_tokens, not sched)
+            sizer = self.sizer
+            limit = lane.token_allowance(self.load.service, sizer.aim_s if sizer else None, n_dec, prefill_tokens,
+                                         not sched, sizer.min_bank_s() if sizer else math.inf)
             batch_tokens = lane.fill(now, budget, sched, prefill_ctx, new_reqs, limit,
                                      self._running_cap - self.num_running)
             prefill_tokens += batch_tokens
@@ -314,7 +317,7 @@ class Scheduler:
         self._next_observe_s = now + OBSERVE_PERIOD_S
         self.last_load = load = self.load.load(now)
         self.regime.update(now, load, self.predicted_queue_delay_s(now) / self.config.admission.target_ttft_s,
-                           self.blocks.usage())
+                           self.blocks.usage() - self._batch_kv_usage())
 
     def _refresh_running_cap(self) -> None:
         cap = self.config.max_batch_size

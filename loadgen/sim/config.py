@@ -28,3 +28,4 @@ class SimConfig:
     sample_interval_s: float = 60.0
     seed: int = 0
     retries: RetryPolicy | None = None  # clients retry refusals (loadgen/sim/retries.py); None: never
+    batch_ids: frozenset[int] = frozenset()  # trace indices sent as the batch class (loadgen/sim/backlog.py)

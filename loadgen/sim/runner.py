@@ -26,6 +26,7 @@ from loadgen import plots
 from loadgen.records import Trace
 from loadgen.report import STATUS_NAMES, RunOutcomes, Slo, markdown_table, per_hour, summarize, write_json
 from loadgen.retry_policy import RetryPolicy
+from loadgen.sim.backlog import class_split
 from loadgen.sim.config import SimConfig
 from loadgen.sim.simulation import SimRun, simulate
 from tidal_core import AutoscaleConfig, SchedulerConfig, preset
@@ -79,6 +80,7 @@ class RunSpec:
     scheduler: SchedulerConfig | None = None  # an exact config (e.g. a Serve config's) instead of preset + SLO
     overrides: dict[str, str] = field(default_factory=dict)  # dotted field=value, applied last
     retries: RetryPolicy | None = None  # clients retry refused requests (the openai client's rules)
+    batch_ids: frozenset[int] = frozenset()  # trace indices sent as the batch class (a backlog)
 
 
 def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:
@@ -90,7 +92,7 @@ def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:
     cfg = apply_overrides(cfg, spec.overrides)  # `tidal simulate --set`: last, so any field can change
     config = SimConfig(cfg, executor_factory(spec.cost_model), spec.slo, num_units=spec.units,
                        gpus_per_unit=spec.cost_model.tp, autoscale=spec.autoscale, provisioning_s=spec.provisioning_s,
-                       seed=spec.seed, retries=spec.retries)
+                       seed=spec.seed, retries=spec.retries, batch_ids=spec.batch_ids)
     bar = tqdm(total=len(spec.trace), desc=f"{policy:>10}", unit="req", disable=not progress, leave=False,
                mininterval=1.0)
     t0 = time.perf_counter()
@@ -99,6 +101,9 @@ def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:
     bar.close()
     run.wall_s = wall
     gpu_by_hour = gpu_hours_by_hour(run.unit_intervals, spec.trace.duration_s, spec.cost_model.tp)
+    if spec.batch_ids:  # the SLO figures are the interactive requests'; the backlog is reported apart
+        outcomes, summary = class_split(run.outcomes, spec.batch_ids, spec.slo)
+        return PolicyRun(policy, run, summary, per_hour(outcomes, spec.slo, gpu_hours_by_hour=gpu_by_hour), wall)
     return PolicyRun(policy, run, summarize(run.outcomes, spec.slo),
                      per_hour(run.outcomes, spec.slo, gpu_hours_by_hour=gpu_by_hour), wall)
 

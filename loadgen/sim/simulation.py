@@ -32,8 +32,10 @@ from loadgen.sim.config import SimConfig
 from loadgen.sim.retries import RetryingClients
 from loadgen.sim.unit import Unit
 from tidal_core import Request, Run, SamplingParams, Scheduler, WaitUntil
+from tidal_core.service_class import ServiceClass
 
 INF = math.inf
+BATCH, INTERACTIVE = ServiceClass.BATCH, ServiceClass.INTERACTIVE
 PROGRESS_EVERY = 10_000  # arrivals between two progress callbacks
 
 
@@ -127,7 +129,9 @@ class Simulation:
     def on_arrival(self, i: int, now: float) -> None:
         """Route request `i`; admission may reject it; an idle or waiting unit re-decides."""
         unit = self.fleet.route(now)
-        req = Request(str(i), self.inputs[i], SamplingParams(max_tokens=self.outputs[i], ignore_eos=True), now)
+        cls = BATCH if i in self.config.batch_ids else INTERACTIVE
+        req = Request(str(i), self.inputs[i], SamplingParams(max_tokens=self.outputs[i], ignore_eos=True), now,
+                      service_class=cls)
         rejection = unit.sched.add_request(req, now) if unit is not None else None
         if unit is None or rejection is not None:
             self.rec.status[i] = REJECTED

@@ -1,0 +1,66 @@
+"""A batch backlog on top of a day: the trace, which of its requests are batch, and the split summary.
+
+Owns: `with_backlog` (a day's trace plus `n` batch requests submitted at one instant, with
+lengths resampled from a real trace, by default Azure code; returns the merged trace and the
+indices of the batch requests) and `class_split` (a run's outcomes as the interactive requests'
+summary, what the SLO figures mean, plus the backlog's: completed, refused with Retry-After,
+lost, when the last one finished, and the batch tokens served). Used by `tidal simulate
+--batch-backlog` and benchmarks/batch_class.py. Must not import serve_app or actors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from loadgen.lengths import sample_length_arrays
+from loadgen.records import Trace
+from loadgen.report import OK, REJECTED, RunOutcomes, Slo, summarize
+
+
+def with_backlog(day: Trace, n: int, *, seed: int, max_len: int, at_s: float = 0.0,
+                 source: str = "azure-code") -> tuple[Trace, frozenset[int]]:
+    """`day` plus `n` batch requests arriving at `at_s`; the merged trace and the batch indices."""
+    inp, out = sample_length_arrays(n, source=source, seed=seed + 7919, max_input=max_len - 1, max_output=max_len - 1)
+    arrival = np.concatenate([day.arrival_s, np.full(n, float(at_s))])
+    order = np.argsort(arrival, kind="stable")  # the backlog follows any day request at the same instant
+    is_batch = np.concatenate([np.zeros(len(day), bool), np.ones(n, bool)])[order]
+    trace = Trace(f"{day.name} + {n} batch requests at {at_s:g}s ({source} lengths)", arrival[order],
+                  np.concatenate([day.input_tokens, inp])[order], np.concatenate([day.output_tokens, out])[order],
+                  duration_s=day.duration_s, source=f"{day.source}; backlog {n} x {source}, seed {seed}")
+    return trace, frozenset(np.flatnonzero(is_batch).tolist())
+
+
+def batch_mask(n: int, batch_ids: frozenset[int]) -> np.ndarray:
+    mask = np.zeros(n, bool)
+    mask[list(batch_ids)] = True
+    return mask
+
+
+def class_split(out: RunOutcomes, batch_ids: frozenset[int], slo: Slo) -> tuple[RunOutcomes, dict[str, Any]]:
+    """The interactive outcomes, and their summary with the backlog's figures (`batch_*`) added."""
+    mask = batch_mask(out.status.size, batch_ids)
+    interactive = out.select(~mask, out.duration_s, out.gpu_hours)
+    summary = summarize(interactive, slo)
+    status, finish = out.status[mask], (out.arrival_s + out.e2e_s)[mask]
+    done = status == OK
+    summary.update({
+        "batch_arrived": int(mask.sum()),
+        "batch_completed": int(done.sum()),
+        "batch_refused": int((status == REJECTED).sum()),
+        "batch_lost": int((~done & (status != REJECTED)).sum()),
+        "batch_last_done_s": round(float(finish[done].max()), 1) if done.any() else None,
+        "batch_tokens": int((out.input_tokens[mask][done] + out.output_tokens[mask][done]).sum()),
+    })
+    return interactive, summary
+
+
+def batch_tokens_by_time(out: RunOutcomes, batch_ids: frozenset[int], bin_s: float, end_s: float) -> np.ndarray:
+    """Batch tokens (prompt + output) of the batch requests that completed in each `bin_s` bin."""
+    mask = batch_mask(out.status.size, batch_ids) & (out.status == OK)
+    finish = (out.arrival_s + out.e2e_s)[mask]
+    tokens = (out.input_tokens + out.output_tokens)[mask]
+    bins = np.arange(0.0, end_s + bin_s, bin_s)
+    hist, _ = np.histogram(finish, bins=bins, weights=tokens)
+    return hist
