@@ -143,7 +143,7 @@ class EngineLoop:
         if not 0.0 < waited <= MAX_FRONT_END_DELAY_S:
             waited = 0.0
         req = Request(gen.request_id, len(gen.prompt_token_ids), gen.sampling, now - waited,
-                      list(gen.prompt_token_ids))
+                      list(gen.prompt_token_ids), service_class=gen.service_class)
         if self.observer:
             self.observer.on_arrival()
         rejection = self.sched.add_request(req, now)

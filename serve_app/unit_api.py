@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tidal_core.request import SamplingParams
+from tidal_core.service_class import ServiceClass
 from tidal_core.snapshot import UnitLoad
 
 
@@ -33,6 +34,7 @@ class GenerateRequest:
     sampling: SamplingParams
     arrival_s: float  # wall clock (time.time()) when the ingress received the HTTP request
     report_load: bool = False  # the unit attaches its `UnitLoad` to its verdict (see GenerateChunk.load)
+    service_class: ServiceClass = ServiceClass.INTERACTIVE  # from service_tier / priority (tidal_core/service_class.py)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    service_tier: str | None = None  # "flex" (batch class) or "default" (interactive)
 
 
 class TopLogprob(BaseModel):
@@ -79,6 +80,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    service_tier: str | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -106,6 +108,7 @@ class ChatCompletionStreamResponse(BaseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    service_tier: str | None = None
 
 
 class ModelCard(BaseModel):

@@ -46,6 +46,7 @@ from serve_app.openai.sampling_defaults import SamplingDefaults
 from serve_app.unit_api import GenerateChunk, GenerateRequest
 from serve_app.unit_stream import EngineClient, EngineStream, open_stream
 from tidal_core.request import SamplingParams
+from tidal_core.service_class import ServiceClass, service_class_of
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,6 +57,14 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/comple
 OFFLOAD_CHARS = 1024
 
 Renderer = CompletionRenderer | ChatRenderer
+
+
+def _service_class(request: SamplingFields) -> ServiceClass:
+    """The class `service_tier` / `priority` ask for (both validated by the request model)."""
+    try:
+        return service_class_of(request.service_tier, request.priority)
+    except ValueError as err:
+        raise bad_request(str(err), "service_tier" if request.service_tier is not None else "priority") from err
 
 
 @dataclass(frozen=True)
@@ -162,8 +171,9 @@ class OpenAIServer:
         if request.echo:
             echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        tier = _service_class(request).tier_name
         renderers = [CompletionRenderer(request_id, self.model_id, int(arrival_s), self.strings, request.logprobs,
-                                        echo_text, index=i) for i in range(request.n)]
+                                        echo_text, index=i, service_tier=tier) for i in range(request.n)]
         budget = _Budget(request.max_tokens, "max_tokens", self.default_completion_max_tokens, "prompt")
         runs = await self._start(request, ids, budget, request.logprobs, renderers, arrival_s)
         return cast(CompletionResponse | EventStream, await self._finish(runs, request.stream))
@@ -178,8 +188,9 @@ class OpenAIServer:
         ids = await self._tokenize(size, self.prompts.chat_ids, request.messages, request.add_generation_prompt)
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        renderers = [ChatRenderer(request_id, self.model_id, int(arrival_s), self.strings, num_logprobs, index=i)
-                     for i in range(request.n)]
+        tier = _service_class(request).tier_name
+        renderers = [ChatRenderer(request_id, self.model_id, int(arrival_s), self.strings, num_logprobs, index=i,
+                                  service_tier=tier) for i in range(request.n)]
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         budget = _Budget(request.max_new_tokens(), param, None, "messages")
         runs = await self._start(request, ids, budget, num_logprobs, renderers, arrival_s)
@@ -260,7 +271,8 @@ class OpenAIServer:
             rid = f"{renderer.request_id}-{index}" if many else renderer.request_id
             params = sampling if not many or sampling.seed is None else \
                 replace(sampling, seed=sampling.seed + index)
-            stream, first = await open_stream(self.engine, GenerateRequest(rid, ids, params, arrival_s), deadline)
+            gen = GenerateRequest(rid, ids, params, arrival_s, service_class=_service_class(request))
+            stream, first = await open_stream(self.engine, gen, deadline)
             output = OutputText(self.tokenizer, ids, request.stop_strings(),
                                 include_stop=request.include_stop_str_in_output, min_tokens=request.min_tokens,
                                 skip_special_tokens=request.skip_special_tokens)
