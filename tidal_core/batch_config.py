@@ -26,8 +26,9 @@ class BatchClassConfig:
     `max_retry_after_s`]). They run only in what interactive requests leave: a step's batch
     tokens keep its predicted time within `step_fraction` x the step sizer's TPOT aim, and a step
     takes batch tokens only while every interactive decode in it has banked `bank_reserve_steps`
-    aims (the time its next prompt's prefill may borrow; core/step_sizer.py); batch requests start only while KV usage is below `max_kv_usage`, and they are preempted first
-    when interactive requests need the batch slot or its KV. Off (`enabled=False`), a batch
+    aims (the time its next prompt's prefill may borrow; core/step_sizer.py); batch requests
+    start only while KV usage is below `max_kv_usage`, and they are preempted first when
+    interactive requests need the batch slot or its KV. Off (`enabled=False`), a batch
     request is served as an interactive one (the "no batch class" comparison).
     """
 
