@@ -25,7 +25,8 @@ def test_flex_is_served_by_the_batch_class_and_says_so(sim_client: openai.OpenAI
     plain = sim_client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=4)
     assert plain.service_tier == "default"
-    done = sim_client.completions.create(model=model, prompt="hello", max_tokens=3, service_tier="flex")
+    done = sim_client.completions.create(model=model, prompt="hello", max_tokens=3,
+                                         extra_body={"service_tier": "flex"})  # no kwarg on the legacy endpoint
     assert done.service_tier == "flex"
 
 
