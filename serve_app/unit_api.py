@@ -64,6 +64,9 @@ class GenerateChunk:
     num_prompt_tokens: int = 0
     error: EngineError | None = None
     load: UnitLoad | None = None  # with `report_load`: the unit's snapshot right after its admission verdict
+    # The class that serves the request, on the unit's first chunk of tokens: batch, or interactive
+    # (also for a batch request on a unit whose batch class is off); the response's service_tier.
+    service_class: ServiceClass | None = None
 
 
 @dataclass(frozen=True)

@@ -171,9 +171,8 @@ class OpenAIServer:
         if request.echo:
             echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        tier = _service_class(request).tier_name
         renderers = [CompletionRenderer(request_id, self.model_id, int(arrival_s), self.strings, request.logprobs,
-                                        echo_text, index=i, service_tier=tier) for i in range(request.n)]
+                                        echo_text, index=i) for i in range(request.n)]
         budget = _Budget(request.max_tokens, "max_tokens", self.default_completion_max_tokens, "prompt")
         runs = await self._start(request, ids, budget, request.logprobs, renderers, arrival_s)
         return cast(CompletionResponse | EventStream, await self._finish(runs, request.stream))
@@ -188,9 +187,8 @@ class OpenAIServer:
         ids = await self._tokenize(size, self.prompts.chat_ids, request.messages, request.add_generation_prompt)
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        tier = _service_class(request).tier_name
-        renderers = [ChatRenderer(request_id, self.model_id, int(arrival_s), self.strings, num_logprobs, index=i,
-                                  service_tier=tier) for i in range(request.n)]
+        renderers = [ChatRenderer(request_id, self.model_id, int(arrival_s), self.strings, num_logprobs, index=i)
+                     for i in range(request.n)]
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         budget = _Budget(request.max_new_tokens(), param, None, "messages")
         runs = await self._start(request, ids, budget, num_logprobs, renderers, arrival_s)
@@ -266,13 +264,16 @@ class OpenAIServer:
         if self.request_timeout_s is not None:
             deadline = asyncio.get_running_loop().time() + self.request_timeout_s
         many = len(renderers) > 1
+        asked = _service_class(request)
 
         async def start(index: int, renderer: Renderer) -> _Run:
             rid = f"{renderer.request_id}-{index}" if many else renderer.request_id
             params = sampling if not many or sampling.seed is None else \
                 replace(sampling, seed=sampling.seed + index)
-            gen = GenerateRequest(rid, ids, params, arrival_s, service_class=_service_class(request))
+            gen = GenerateRequest(rid, ids, params, arrival_s, service_class=asked)
             stream, first = await open_stream(self.engine, gen, deadline)
+            if first.service_class is not None:  # the tier that serves it, as the unit says (not the one asked)
+                renderer.service_tier = first.service_class.tier_name
             output = OutputText(self.tokenizer, ids, request.stop_strings(),
                                 include_stop=request.include_stop_str_in_output, min_tokens=request.min_tokens,
                                 skip_special_tokens=request.skip_special_tokens)
