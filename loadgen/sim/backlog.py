@@ -4,8 +4,10 @@ Owns: `with_backlog` (a day's trace plus `n` batch requests submitted at one ins
 lengths resampled from a real trace, by default Azure code; returns the merged trace and the
 indices of the batch requests) and `class_split` (a run's outcomes as the interactive requests'
 summary, what the SLO figures mean, plus the backlog's: completed, refused with Retry-After,
-lost, when the last one finished, and the batch tokens served). Used by `tidal simulate
---batch-backlog` and benchmarks/batch_class.py. Must not import serve_app or actors.
+lost, when the last one finished, how many finished by a due time, and the batch tokens served),
+`clock_s` (an "HH:MM" time of day as seconds from the trace's midnight) and `batch_markdown`
+(the backlog's figures of several runs as one table). Used by `tidal simulate --batch-backlog`
+and benchmarks/batch_class.py. Must not import serve_app or actors.
 """
 
 from __future__ import annotations
@@ -16,7 +18,25 @@ import numpy as np
 
 from loadgen.lengths import sample_length_arrays
 from loadgen.records import Trace
-from loadgen.report import OK, REJECTED, RunOutcomes, Slo, summarize
+from loadgen.report import OK, REJECTED, RunOutcomes, Slo, markdown_table, summarize
+
+BATCH_COLUMNS = ("run", "batch_arrived", "batch_completed", "batch_done_by_due", "batch_refused", "batch_lost",
+                 "batch_last_done", "batch_tokens", "batch_tok_s")
+
+
+def clock_s(text: str) -> float:
+    """"HH:MM" (00:00 to 48:00, so a due time may fall on the next day) as seconds from midnight."""
+    hh, sep, mm = text.partition(":")
+    if not sep or not hh.isdigit() or not mm.isdigit() or len(mm) != 2 or int(mm) >= 60 or int(hh) > 48:
+        raise ValueError(f"time {text!r} is not HH:MM (e.g. 00:00, 08:30; up to 48:00 for the next day)")
+    return int(hh) * 3600.0 + int(mm) * 60.0
+
+
+def _clock(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    minutes = round(seconds / 60.0)
+    return f"{minutes // 60:02d}:{minutes % 60:02d}"
 
 
 def with_backlog(day: Trace, n: int, *, seed: int, max_len: int, at_s: float = 0.0,
@@ -38,22 +58,37 @@ def batch_mask(n: int, batch_ids: frozenset[int]) -> np.ndarray:
     return mask
 
 
-def class_split(out: RunOutcomes, batch_ids: frozenset[int], slo: Slo) -> tuple[RunOutcomes, dict[str, Any]]:
-    """The interactive outcomes, and their summary with the backlog's figures (`batch_*`) added."""
+def class_split(out: RunOutcomes, batch_ids: frozenset[int], slo: Slo, due_s: float | None = None
+                ) -> tuple[RunOutcomes, dict[str, Any]]:
+    """The interactive outcomes, and their summary with the backlog's figures (`batch_*`) added;
+    `batch_done_by_due` counts the batch requests completed by `due_s` (None: the trace's end)."""
     mask = batch_mask(out.status.size, batch_ids)
     interactive = out.select(~mask, out.duration_s, out.gpu_hours)
     summary = summarize(interactive, slo)
     status, finish = out.status[mask], (out.arrival_s + out.e2e_s)[mask]
     done = status == OK
+    due = out.duration_s if due_s is None else due_s
+    first_arrival = float(out.arrival_s[mask].min()) if mask.any() else 0.0
+    last = float(finish[done].max()) if done.any() else None
+    tokens = int((out.input_tokens[mask][done] + out.output_tokens[mask][done]).sum())
     summary.update({
         "batch_arrived": int(mask.sum()),
         "batch_completed": int(done.sum()),
         "batch_refused": int((status == REJECTED).sum()),
         "batch_lost": int((~done & (status != REJECTED)).sum()),
-        "batch_last_done_s": round(float(finish[done].max()), 1) if done.any() else None,
-        "batch_tokens": int((out.input_tokens[mask][done] + out.output_tokens[mask][done]).sum()),
+        "batch_done_by_due": int((done & (finish <= due)).sum()),
+        "batch_due_s": round(float(due), 1),
+        "batch_last_done_s": None if last is None else round(last, 1),
+        "batch_tokens": tokens,  # prompt + output tokens of the completed batch requests
+        "batch_tok_s": round(tokens / (last - first_arrival), 1) if last is not None and last > first_arrival else None,
     })
     return interactive, summary
+
+
+def batch_markdown(rows: dict[str, dict[str, Any]]) -> str:
+    """Run name -> summary (with `batch_*` figures): the backlog's table, times as HH:MM."""
+    table = [{"run": name, **s, "batch_last_done": _clock(s.get("batch_last_done_s"))} for name, s in rows.items()]
+    return markdown_table(table, BATCH_COLUMNS)
 
 
 def batch_tokens_by_time(out: RunOutcomes, batch_ids: frozenset[int], bin_s: float, end_s: float) -> np.ndarray:

@@ -81,6 +81,7 @@ class RunSpec:
     overrides: dict[str, str] = field(default_factory=dict)  # dotted field=value, applied last
     retries: RetryPolicy | None = None  # clients retry refused requests (the openai client's rules)
     batch_ids: frozenset[int] = frozenset()  # trace indices sent as the batch class (a backlog)
+    batch_due_s: float | None = None  # the backlog's due time (None: the trace's end)
 
 
 def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:
@@ -102,7 +103,7 @@ def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:
     run.wall_s = wall
     gpu_by_hour = gpu_hours_by_hour(run.unit_intervals, spec.trace.duration_s, spec.cost_model.tp)
     if spec.batch_ids:  # the SLO figures are the interactive requests'; the backlog is reported apart
-        outcomes, summary = class_split(run.outcomes, spec.batch_ids, spec.slo)
+        outcomes, summary = class_split(run.outcomes, spec.batch_ids, spec.slo, spec.batch_due_s)
         return PolicyRun(policy, run, summary, per_hour(outcomes, spec.slo, gpu_hours_by_hour=gpu_by_hour), wall)
     return PolicyRun(policy, run, summarize(run.outcomes, spec.slo),
                      per_hour(run.outcomes, spec.slo, gpu_hours_by_hour=gpu_by_hour), wall)
