@@ -18,7 +18,8 @@ output tokens completed in the window in `day`) / R_int: the seconds of a satura
 interactive load occupies. Used = batch prompt + output tokens of batch requests completed
 within the window in `batch-class`. Interactive figures count interactive requests only.
 
-    python benchmarks/batch_class.py [--hours 8] [--backlog 50000] [--out runs/batch-class]
+    python benchmarks/batch_class.py [--hours 8] [--backlog 50000] [--seed 0] [--out runs/batch-class]
+        [--set batch.reserve_full_load=0 ...]   # a batch.* setting for the batch-class run (repeatable)
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from loadgen.sim.simulation import simulate
 from loadgen.sim.study import day_trace, length_trace
 from tidal_core import SchedulerConfig, preset
 from tidal_core.batch_config import BatchClassConfig
+from tidal_core.overrides import parse_pairs
 
 BIG_QUEUE = {"batch.max_queue_tokens": str(10**10)}
 
@@ -73,6 +75,8 @@ def main() -> int:
     ap.add_argument("--backlog", type=int, default=50_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/batch-class")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a scheduler field in the batch-class run (e.g. batch.reserve_full_load=0)")
     ap.add_argument("--plot", default=None, help="also write the plot here (e.g. docs/img/batch_class_trough.png)")
     args = ap.parse_args()
     out = Path(args.out)
@@ -97,7 +101,8 @@ def main() -> int:
     runs = {
         "day": run_policy(RunSpec(day, base, cost, slo, seed=args.seed), "adaptive", progress=False),
         "batch-class": run_policy(RunSpec(mixed, base, cost, slo, seed=args.seed, batch_ids=batch_ids,
-                                          overrides=BIG_QUEUE), "adaptive", progress=False),
+                                          overrides={**BIG_QUEUE, **parse_pairs(args.set)}), "adaptive",
+                                  progress=False),
         "no-batch-class": run_policy(RunSpec(mixed, base, cost, slo, seed=args.seed, batch_ids=batch_ids,
                                              overrides={**BIG_QUEUE, "batch.enabled": "false"}), "adaptive",
                                      progress=False),
@@ -119,7 +124,8 @@ def main() -> int:
         rows[name]["preempted"] = dict(r.run.counters.get("preempted", {}))
         rows[name]["wall_s"] = round(r.wall_s, 1)
     result = {
-        "window_h": args.hours, "backlog": args.backlog, "r_batch_tok_s": round(r_batch, 1),
+        "window_h": args.hours, "backlog": args.backlog, "seed": args.seed, "set": args.set,
+        "r_batch_tok_s": round(r_batch, 1),
         "r_int_tok_s": round(r_int, 1), "interactive_tokens_in_window": int(int_tokens),
         "t_int_s": round(t_int, 1), "spare_tokens": int(spare), "batch_tokens_used_in_window": int(used),
         "spare_used": round(used / spare, 4) if spare else None,

@@ -26,7 +26,9 @@ class BatchClassConfig:
     `max_retry_after_s`]). They run only in what interactive requests leave: a step's batch
     tokens keep its predicted time within `step_fraction` x the step sizer's TPOT aim, and a step
     takes batch tokens only while every interactive decode in it has banked `bank_reserve_steps`
-    aims (the time its next prompt's prefill may borrow; core/step_sizer.py); batch requests
+    aims (the time its next prompt's prefill may borrow; core/step_sizer.py), a reserve
+    scaled by the interactive load over `reserve_full_load` (capped at 1; 0: never scaled),
+    so a quiet unit, whose next prompt is further away, keeps less; batch requests
     start only while KV usage is below `max_kv_usage`, and they are preempted first when
     interactive requests need the batch slot or its KV. Off (`enabled=False`), a batch
     request is served as an interactive one (the "no batch class" comparison).
@@ -37,6 +39,8 @@ class BatchClassConfig:
     max_kv_usage: float = 0.9
     step_fraction: float = 0.9
     bank_reserve_steps: float = 20.0
+    reserve_full_load: float = 1.0
+    alone_fraction: float = 0.9
     min_retry_after_s: float = 1.0
     max_retry_after_s: float = 3600.0
     drain_tau_s: float = 60.0
@@ -56,4 +60,7 @@ class BatchClassConfig:
         _require(self.bank_reserve_steps >= 0.0,
                  f"batch.bank_reserve_steps={self.bank_reserve_steps} must be >= 0 (TPOT aims of bank every "
                  "interactive decode keeps before batch work may share its steps)")
+        _require(self.reserve_full_load >= 0.0,
+                 f"batch.reserve_full_load={self.reserve_full_load} must be >= 0 (interactive load at which "
+                 "the whole bank reserve applies; 0: always the whole reserve)")
         _require(self.drain_tau_s > 0.0, f"batch.drain_tau_s={self.drain_tau_s} must be > 0 seconds")

@@ -114,18 +114,33 @@ class BatchLane:
 
     # ---- filling a step ------------------------------------------------------------------
     def token_allowance(self, svc: ServiceModel, aim_s: float | None, num_decodes: int, prefill_tokens: int,
-                        empty: bool, min_bank_s: float = math.inf) -> int:
+                        empty: bool, min_bank_s: float = math.inf, load: float = 1.0) -> int:
         """Batch tokens that keep the step's predicted time within `step_fraction` x `aim_s`
-        (no aim: no limit). An otherwise empty step gets at least one block's worth (without
-        chunked prefill: a whole prompt), so batch work always progresses on an idle unit."""
+        (no aim: no limit); none while an interactive decode's bank (`min_bank_s`) is below the
+        reserve for interactive `load` (`reserve_s`). An otherwise empty step gets at least one
+        block's worth (without chunked prefill: a whole prompt), so batch work always progresses
+        on an idle unit."""
         if aim_s is None or (empty and not self.builder.chunked):
             return 1 << 30
-        if min_bank_s < self.config.bank_reserve_steps * aim_s:
+        if min_bank_s < self.reserve_s(aim_s, load):
             return 0  # a young interactive decode is still banking the time its next prompt may need
         fixed = svc.overhead_s + svc.prefill_step_s + svc.decode_s_per_seq * num_decodes
-        avail = self.config.step_fraction * aim_s - fixed - svc.prefill_s_per_token * prefill_tokens
+        # With no interactive decode in the step (no bank: inf), no one's TPOT margin is at stake
+        # and batch work may fill the whole aim; beside interactive decodes, `step_fraction` of it.
+        share = self.config.alone_fraction if math.isinf(min_bank_s) else self.config.step_fraction
+        avail = share * aim_s - fixed - svc.prefill_s_per_token * prefill_tokens
         tokens = int(avail / svc.prefill_s_per_token) if avail > 0.0 else 0
         return max(tokens, self.queues.blocks.block_size) if empty else tokens
+
+    def reserve_s(self, aim_s: float, load: float) -> float:
+        """The bank every interactive decode keeps before batch work shares its steps:
+        `bank_reserve_steps` aims at an interactive load of `reserve_full_load` and above, less
+        in proportion below it (a quiet unit's next prompt is further away); 0: always full."""
+        cfg = self.config
+        reserve = cfg.bank_reserve_steps * aim_s
+        if cfg.reserve_full_load > 0.0:
+            reserve *= min(1.0, max(0.0, load) / cfg.reserve_full_load)
+        return reserve
 
     def fill(self, now: float, budget: StepBudget, sched: dict[str, int], prefill_ctx: dict[str, int],
              new_reqs: list[NewRequestData], allowance: int, room: float) -> int:

@@ -255,7 +255,7 @@ class Scheduler:
             assert lane is not None
             sizer = self.sizer
             limit = lane.token_allowance(self.load.service, sizer.aim_s if sizer else None, n_dec, prefill_tokens,
-                                         not sched, sizer.min_bank_s() if sizer else math.inf)
+                                         not sched, sizer.min_bank_s() if sizer else math.inf, load)
             batch_tokens = lane.fill(now, budget, sched, prefill_ctx, new_reqs, limit,
                                      self._running_cap - self.num_running)
             prefill_tokens += batch_tokens

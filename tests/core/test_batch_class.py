@@ -184,3 +184,20 @@ def test_batch_config_errors_name_the_value_and_the_fix() -> None:
     with pytest.raises(ValueError, match=r"batch\.max_queue_tokens=0"):
         BatchClassConfig(max_queue_tokens=0)
     assert AdmissionConfig().target_ttft_s > 0  # the batch bound is its own, admission is untouched
+
+
+def test_the_bank_reserve_scales_with_interactive_load() -> None:
+    s = Scheduler(_config(bank_reserve_steps=20.0, reserve_full_load=0.5))
+    lane, aim = s.lane, 0.02
+    assert lane is not None
+    assert lane.reserve_s(aim, 0.0) == 0.0
+    assert lane.reserve_s(aim, 0.25) == pytest.approx(10 * aim)
+    assert lane.reserve_s(aim, 0.5) == lane.reserve_s(aim, 3.0) == pytest.approx(20 * aim)
+    fixed = Scheduler(_config(bank_reserve_steps=20.0, reserve_full_load=0.0)).lane
+    assert fixed is not None and fixed.reserve_s(aim, 0.0) == pytest.approx(20 * aim)
+    svc = s.load.service
+    # A young decode's bank of 5 aims: below the reserve at load 0.5, enough at load 0.1.
+    assert lane.token_allowance(svc, aim, 1, 0, False, 5 * aim, load=0.5) == 0
+    assert lane.token_allowance(svc, aim, 1, 0, False, 5 * aim, load=0.1) > 0
+    with pytest.raises(ValueError, match="reserve_full_load"):
+        BatchClassConfig(reserve_full_load=-1.0)
