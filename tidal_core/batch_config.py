@@ -40,7 +40,6 @@ class BatchClassConfig:
     step_fraction: float = 0.9
     bank_reserve_steps: float = 20.0
     reserve_full_load: float = 1.0
-    alone_fraction: float = 0.9
     min_retry_after_s: float = 1.0
     max_retry_after_s: float = 3600.0
     drain_tau_s: float = 60.0

@@ -125,10 +125,7 @@ class BatchLane:
         if min_bank_s < self.reserve_s(aim_s, load):
             return 0  # a young interactive decode is still banking the time its next prompt may need
         fixed = svc.overhead_s + svc.prefill_step_s + svc.decode_s_per_seq * num_decodes
-        # With no interactive decode in the step (no bank: inf), no one's TPOT margin is at stake
-        # and batch work may fill the whole aim; beside interactive decodes, `step_fraction` of it.
-        share = self.config.alone_fraction if math.isinf(min_bank_s) else self.config.step_fraction
-        avail = share * aim_s - fixed - svc.prefill_s_per_token * prefill_tokens
+        avail = self.config.step_fraction * aim_s - fixed - svc.prefill_s_per_token * prefill_tokens
         tokens = int(avail / svc.prefill_s_per_token) if avail > 0.0 else 0
         return max(tokens, self.queues.blocks.block_size) if empty else tokens
 
