@@ -145,3 +145,18 @@ def plot_cdf(path: Path, series: Mapping[str, np.ndarray], xlabel: str, title: s
     ax.set_title(title)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def plot_stacked(path: Path, hours: np.ndarray, stacks: Mapping[str, np.ndarray], title: str, ylabel: str,
+                 hline: tuple[float, str] | None = None) -> Path:
+    """Series stacked over time (e.g. interactive and batch tokens/s), with an optional level line."""
+    fig, ax = plt.subplots(figsize=(11, 4))
+    ax.stackplot(hours, *stacks.values(), labels=list(stacks), alpha=0.8)
+    if hline is not None:
+        ax.axhline(hline[0], color="black", ls="--", lw=1, label=hline[1])
+    ax.set_xlabel("hour")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.set_xlim(float(hours[0]), float(hours[-1]))
+    ax.legend(loc="upper right", fontsize=8)
+    return _save(fig, path)

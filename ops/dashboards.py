@@ -1,8 +1,8 @@
 """The tidalserve Grafana dashboard, generated from serve_app/metric_defs.py and the config's SLO.
 
-Owns: `serving_dashboard(targets)` (one dashboard, seven rows: traffic and regime, latency
+Owns: `serving_dashboard(targets)` (one dashboard, eight rows: traffic and regime, latency
 against the SLO, batching, KV cache (and its prefix-cache hit rate) and queue, admission and
-failures, units and autoscaling, API keys)
+failures, the batch class, units and autoscaling, API keys)
 and `all_dashboards`. Every series name comes from a `MetricDef` (through ops/promql.py)
 or from promql's list of Ray Serve metrics; every threshold line from `Targets` (the config).
 docs/operations.md describes each panel. Must not import ray.
@@ -127,11 +127,28 @@ def _admission(t: Targets) -> list[Panel]:
         ts("Rejected fraction", "Rejections (too_long excluded) over arrivals. Dashed: the alert mark.",
            [Target(f"{rejected} / {Q.counter_rate(M.ARRIVALS)}", "rejected")], "percentunit",
            lines=(t.rejection_ratio,), width=6),
-        ts("Preemptions by reason", "Running requests preempted (recompute) per second: KV exhausted.",
-           [Target(Q.counter_rate(M.PREEMPTIONS, group=("reason",)), "{{reason}}")], "ops", width=6),
+        ts("Preemptions by reason", "Running requests preempted (recompute) per second, by service class and "
+           "reason: kv_exhausted, or batch_yield (a batch request gave its slot or KV to interactive ones).",
+           [Target(Q.counter_rate(M.PREEMPTIONS, group=(M.CLASS_TAG, "reason")), "{{class}} {{reason}}")], "ops",
+           width=6),
         ts("Engine errors by kind", "Engine failures (dead TP worker, step timeout) per second.",
            [Target(Q.counter_rate(M.ENGINE_ERRORS, group=("unit", "kind")), "{{unit}} {{kind}}")], "ops",
            width=6),
+    ]
+
+
+def _batch_class() -> list[Panel]:
+    return [
+        ts("Batch backlog", "Batch-class requests (service_tier=flex) waiting for headroom, and running, summed "
+           "over the selected units. A backlog that shrinks through the night is the trough being filled.",
+           [Target(Q.gauge(M.BATCH_WAITING, op="sum", group=()), "waiting"),
+            Target(Q.gauge(M.BATCH_RUNNING, op="sum", group=()), "running")], "short", width=8),
+        ts("Batch backlog tokens by unit", "Prompt tokens of the batch class still to compute (queued or "
+           "mid-prefill); over the batch tokens/s, how long the backlog takes to drain.",
+           [Target(Q.gauge(M.BATCH_BACKLOG_TOKENS), UNIT_LEGEND)], "short", width=8),
+        ts("Batch tokens per second", "Tokens the batch class computed per second: prompt (with recomputation "
+           "after a preemption) and generated. Near zero while interactive traffic uses the headroom.",
+           [Target(Q.counter_rate(M.BATCH_TOKENS, group=("kind",)), "{{kind}}")], "short", width=8),
     ]
 
 
@@ -171,7 +188,8 @@ def serving_dashboard(t: Targets) -> dict[str, Any]:
                  query_variable("unit", "Unit", M.REGIME.prom_name, M.UNIT_TAG)]
     sections = [("Traffic and regime", _traffic(t)), ("Latency against the SLO", _latency(t)),
                 ("Batching", _batching(t)), ("KV cache and queue", _kv_queue(t)),
-                ("Admission and failures", _admission(t)), ("Units and autoscaling", _units()),
+                ("Admission and failures", _admission(t)), ("Batch class", _batch_class()),
+                ("Units and autoscaling", _units()),
                 ("API keys", _api_keys())]
     return dashboard(SERVING_UID, "tidalserve / serving",
                      "tidalserve serving units: traffic, regimes, latency against the SLO, batching, KV cache, "

@@ -26,6 +26,7 @@ from serve_app.unit_api import UNIT_REPLACED, EngineError, GenerateChunk, Genera
 from tidal_core import Idle, Request, Run, Scheduler, StepPlan, UnitLoad, WaitUntil
 from tidal_core.front_admission import published_load
 from tidal_core.plan import AsyncExecutor
+from tidal_core.service_class import ServiceClass
 
 log = logging.getLogger("tidalserve.engine")
 
@@ -143,7 +144,7 @@ class EngineLoop:
         if not 0.0 < waited <= MAX_FRONT_END_DELAY_S:
             waited = 0.0
         req = Request(gen.request_id, len(gen.prompt_token_ids), gen.sampling, now - waited,
-                      list(gen.prompt_token_ids))
+                      list(gen.prompt_token_ids), service_class=gen.service_class)
         if self.observer:
             self.observer.on_arrival()
         rejection = self.sched.add_request(req, now)
@@ -195,6 +196,7 @@ class EngineLoop:
         queue = stream.queue
         num_prompt = stream.request.num_prompt_tokens
         hold = self.coalescing.interval_s > 0
+        served: ServiceClass | None = stream.request.service_class  # as the scheduler admitted it
         while True:
             item = await queue.get()
             if hold:  # an end or an error sets `stream.ended` first: `_hold` never delays one
@@ -219,7 +221,9 @@ class EngineLoop:
                 item = queue.get_nowait()
             stream.last_sent = self.clock()
             yield GenerateChunk(tokens, stream.finish_reason if done and error is None else None, logprobs,
-                                num_prompt, error, num_cached_tokens=stream.request.num_cached_tokens)
+                                num_prompt, error, num_cached_tokens=stream.request.num_cached_tokens,
+                                service_class=served)
+            served = None  # said once, on the first chunk
             if done:
                 return
 

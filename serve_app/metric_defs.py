@@ -73,6 +73,11 @@ QUEUE_DELAY = MetricDef("tidal_predicted_queue_delay_seconds", "gauge",
                         "Predicted queueing delay of a new arrival (prefill backlog drain time)")
 PADDING_WASTE = MetricDef("tidal_cuda_graph_padding_waste", "gauge",
                           "Fraction of CUDA-graph batch slots that were padding, since start")
+BATCH_WAITING = MetricDef("tidal_batch_backlog_requests", "gauge",
+                          "Batch-class requests waiting for headroom (queued, not yet running)")
+BATCH_BACKLOG_TOKENS = MetricDef("tidal_batch_backlog_tokens", "gauge",
+                                 "Prompt tokens of the batch class still to compute (queued or mid-prefill)")
+BATCH_RUNNING = MetricDef("tidal_batch_running", "gauge", "Batch-class requests in the running batch")
 UNITS_DESIRED = MetricDef("tidal_autoscale_desired_units", "gauge", "Units the autoscaling policy asks for",
                           ("deployment",))
 UNITS_DEMAND = MetricDef("tidal_autoscale_demand_units", "gauge",
@@ -82,13 +87,19 @@ DISPATCHES = MetricDef("tidal_dispatches", "counter", "Engine steps launched, by
                        (UNIT_TAG, "reason"))
 REJECTIONS = MetricDef("tidal_rejections", "counter", "Requests turned away by admission control, by reason",
                        (UNIT_TAG, "reason"))
-PREEMPTIONS = MetricDef("tidal_preemptions", "counter", "Running requests preempted (recompute), by reason",
-                        (UNIT_TAG, "reason"))
+CLASS_TAG = "class"
+"""The service class of a request (tidal_core/service_class.py): interactive or batch."""
+PREEMPTIONS = MetricDef("tidal_preemptions", "counter",
+                        "Running requests preempted (recompute), by reason and service class",
+                        (UNIT_TAG, "reason", CLASS_TAG))
 FINISHED = MetricDef("tidal_requests_finished", "counter", "Requests ended, by finish reason",
                      (UNIT_TAG, "reason"))
 PROMPT_TOKENS = MetricDef("tidal_prompt_tokens", "counter", "Prompt tokens of admitted requests")
 GENERATION_TOKENS = MetricDef("tidal_generation_tokens", "counter", "Tokens generated")
 ARRIVALS = MetricDef("tidal_requests_arrived", "counter", "Requests that reached a router")
+BATCH_TOKENS = MetricDef("tidal_batch_tokens", "counter",
+                         "Tokens the batch class computed, by kind (prompt: including recomputation after a "
+                         "preemption; generation: tokens generated)", (UNIT_TAG, "kind"))
 ENGINE_ERRORS = MetricDef("tidal_engine_errors", "counter", "Engine failures (dead workers), by kind",
                           (UNIT_TAG, "kind"))
 # Prefix cache: hit rate = rate(hit) / rate(queried), in tokens and in requests. A lookup happens
@@ -115,7 +126,9 @@ AUTH_FAILURES = MetricDef("tidal_auth_failures", "counter",
 ALL_METRICS: tuple[MetricDef, ...] = (
     TTFT, ITL, E2E, QUEUE_TIME, MICROWAIT, BATCH_SIZE, STEP_TIME, TTFT_PREDICTION,
     RUNNING, WAITING, KV_USAGE, REGIME, LOAD, CAPACITY, QUEUE_DELAY, PADDING_WASTE, UNITS_DESIRED, UNITS_DEMAND,
+    BATCH_WAITING, BATCH_BACKLOG_TOKENS, BATCH_RUNNING,
     DISPATCHES, REJECTIONS, PREEMPTIONS, FINISHED, PROMPT_TOKENS, GENERATION_TOKENS, ARRIVALS, ENGINE_ERRORS,
     PREFIX_QUERIED_TOKENS, PREFIX_HIT_TOKENS, PREFIX_QUERIED_REQUESTS, PREFIX_HIT_REQUESTS,
+    BATCH_TOKENS,
     API_REQUESTS, API_TOKENS, AUTH_FAILURES,
 )

@@ -4,7 +4,11 @@ Owns: `UnitMetrics`, the `EngineObserver` the engine loop calls. Every metric is
 its definition in serve_app/metric_defs.py (names are never typed twice). Gauges are refreshed
 at most every `gauge_period_s`; counters and histograms are recorded as events happen, once
 per step or per request (never per token: inter-token latency is the gap between steps, which
-every decode in the step saw).
+every decode in the step saw). Counters the scheduler keeps cumulatively (preemptions by reason
+and service class, the batch class's tokens) are exported as the change since the last step.
+The latency histograms (TTFT, queue time, TTFT prediction, end to end) are the interactive
+class's: a batch request is never held to the TTFT target, and its hours in the batch queue
+would read as an SLO burn.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class UnitMetrics:
                 self._m[defn.name] = metric
         self._reasons: dict[tuple[str, str], dict[str, str]] = {}
         self._prefix_seen = dict.fromkeys((field for field, _ in PREFIX_COUNTERS), 0)
+        self._preempted: dict[tuple[str, str], int] = {}  # (reason, class) -> count exported so far
+        self._batch_tokens = {"prompt": 0, "generation": 0}  # kind -> batch tokens exported so far
 
     def _tags(self, key: str, value: str) -> dict[str, str]:
         tags = self._reasons.get((key, value))
@@ -78,7 +84,8 @@ class UnitMetrics:
             m[M.ITL.name].observe(step_gap_s)
             m[M.GENERATION_TOKENS.name].inc(plan.num_decode_seqs)
         if stats and stats.num_preempted:
-            m[M.PREEMPTIONS.name].inc(stats.num_preempted, self._tags("reason", "kv_exhausted"))
+            self._export_preemptions(sched)
+        self._export_batch_tokens(sched)
         self._prefix_counters(sched)
         if now >= self._next_gauge:
             self._next_gauge = now + self.gauge_period_s
@@ -92,8 +99,27 @@ class UnitMetrics:
             if value > seen[field]:
                 self._m[defn.name].inc(value - seen[field])
                 seen[field] = value
+    def _export_preemptions(self, sched: Scheduler) -> None:
+        for (reason, cls), total in sched.stats.preempted_by.items():
+            delta = total - self._preempted.get((reason, cls), 0)
+            if delta > 0:
+                self._preempted[(reason, cls)] = total
+                self._m[M.PREEMPTIONS.name].inc(delta, {M.UNIT_TAG: self.unit, "reason": reason, M.CLASS_TAG: cls})
+
+    def _export_batch_tokens(self, sched: Scheduler) -> None:
+        stats = sched.stats
+        for kind, total in (("prompt", stats.num_batch_prompt_tokens_computed),
+                            ("generation", stats.num_batch_generated_tokens)):
+            delta = total - self._batch_tokens[kind]
+            if delta > 0:
+                self._batch_tokens[kind] = total
+                self._m[M.BATCH_TOKENS.name].inc(delta, self._tags("kind", kind))
 
     def on_first_token(self, req: Request, now: float) -> None:
+        if req.is_batch:  # tokens counted; no latency (see the module docstring)
+            self._m[M.PROMPT_TOKENS.name].inc(req.num_prompt_tokens)
+            self._m[M.GENERATION_TOKENS.name].inc(1)
+            return
         self._m[M.TTFT.name].observe(now - req.arrival_s)
         if req.ttft_prediction_ratio is not None:
             self._m[M.TTFT_PREDICTION.name].observe(req.ttft_prediction_ratio)
@@ -105,7 +131,7 @@ class UnitMetrics:
     def on_finish(self, req: Request, now: float) -> None:
         reason = req.finish_reason.value if req.finish_reason else "unknown"
         self._m[M.FINISHED.name].inc(1, self._tags("reason", reason))
-        if reason != "abort":
+        if reason != "abort" and not req.is_batch:
             self._m[M.E2E.name].observe(now - req.arrival_s)
 
     def on_engine_error(self, kind: str) -> None:
@@ -122,3 +148,6 @@ class UnitMetrics:
         m[M.CAPACITY.name].set(snap.capacity_rps)
         m[M.QUEUE_DELAY.name].set(snap.queue_delay_s)
         m[M.PADDING_WASTE.name].set(sched.buckets.padding_waste())
+        m[M.BATCH_WAITING.name].set(snap.batch_waiting)
+        m[M.BATCH_BACKLOG_TOKENS.name].set(snap.batch_backlog_tokens)
+        m[M.BATCH_RUNNING.name].set(snap.batch_running)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tidal_core.request import SamplingParams
+from tidal_core.service_class import ServiceClass
 from tidal_core.snapshot import UnitLoad
 
 
@@ -34,6 +35,7 @@ class GenerateRequest:
     sampling: SamplingParams
     arrival_s: float  # wall clock (time.time()) when the ingress received the HTTP request
     report_load: bool = False  # the unit attaches its `UnitLoad` to its verdict (see GenerateChunk.load)
+    service_class: ServiceClass = ServiceClass.INTERACTIVE  # from service_tier / priority (tidal_core/service_class.py)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,9 @@ class GenerateChunk:
     load: UnitLoad | None = None  # with `report_load`: the unit's snapshot right after its admission verdict
     # Prompt tokens whose KV came from the unit's prefix cache (0 until the request is admitted to run)
     num_cached_tokens: int = 0
+    # The class that serves the request, on the unit's first chunk of tokens: batch, or interactive
+    # (also for a batch request on a unit whose batch class is off); the response's service_tier.
+    service_class: ServiceClass | None = None
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ Owns: `BatchBuilder`. A step is filled in one order for every policy:
    KV for a whole prompt is reserved at admission, so a prefill never stalls half-way.
    With prefix caching (core/prefix_cache.py) a request's leading cached blocks are taken
    by reference: its prefill starts at its first uncached token, and the budget is charged
-   for the uncached tokens only.
+   for the uncached tokens only;
+4. then, with what is left, the batch class's chunks and new batch requests (`batch=True`,
+   driven by core/batch_lane.py). KV preemption takes a running batch request first.
 
 A prompt that does not fit what is left of the budget is chunked (with chunked prefill on).
 Static batching admits a whole batch at once; its later chunks follow step by step. How many
@@ -75,20 +77,29 @@ class BatchBuilder:
         return preempted
 
     def _pick_victim(self) -> Request:
-        """The most recently admitted running request (vLLM's recompute order)."""
+        """The most recently admitted running batch request, else the most recently admitted
+        running request (vLLM's recompute order)."""
         q = self.queues
+        if q.num_batch_running:
+            for req in (*reversed(q.prefilling.values()), *reversed(q.decodes.reqs.values())):
+                if req.is_batch:
+                    return req
         if q.prefilling:
             return next(reversed(q.prefilling.values()))
         return next(reversed(q.decodes.reqs.values()))
 
     def continue_prefills(self, budget: StepBudget, sched: dict[str, int], prefill_ctx: dict[str, int],
-                          new_reqs: list[NewRequestData]) -> int:
+                          new_reqs: list[NewRequestData], batch: bool = False) -> int:
+        """Continue the unfinished chunks of one class (interactive, or `batch`), oldest first."""
         q = self.queues
         total = 0
         chunked = self.chunked
+        mixed = q.num_batch_running > 0
         for rid, req in q.prefilling.items():
             if budget.exhausted:
                 break
+            if (mixed or batch) and req.is_batch is not batch:
+                continue
             grant = budget.grant(req.num_tokens - req.num_computed_tokens, chunked)
             if grant:
                 sched[rid] = grant
@@ -100,12 +111,14 @@ class BatchBuilder:
         return total
 
     def admit(self, now: float, budget: StepBudget, sched: dict[str, int], prefill_ctx: dict[str, int],
-              new_reqs: list[NewRequestData], room: float) -> int:
-        """Move waiting requests into the step (FIFO), at most `room` more running requests."""
+              new_reqs: list[NewRequestData], room: float, batch: bool = False, keep_free: int = 0) -> int:
+        """Move waiting requests into the step (FIFO), at most `room` more running requests;
+        `batch`: from the batch queue, leaving at least `keep_free` KV blocks free."""
         q = self.queues
-        waiting, blocks = q.waiting, q.blocks
+        waiting, blocks = q.batch.reqs if batch else q.waiting, q.blocks
         limit = min(self.new_limit, room)
-        keep_free = blocks.watermark_blocks if (q.decodes.reqs or q.prefilling) else 0
+        floor = keep_free
+        keep_free = max(floor, blocks.watermark_blocks if (q.decodes.reqs or q.prefilling) else 0)
         chunked, static, cache = self.chunked, self.static, q.cache
         admitted = total = cached = 0
         while waiting and admitted < limit:
@@ -129,7 +142,7 @@ class BatchBuilder:
                 self.stats.record_prefix_query(need, cached)
             q.start_prefill(req, now, cached)
             admitted += 1
-            keep_free = blocks.watermark_blocks
+            keep_free = max(floor, blocks.watermark_blocks)
             if grant:
                 sched[rid] = grant
                 prefill_ctx[rid] = cached

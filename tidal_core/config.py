@@ -1,7 +1,8 @@
 """Scheduler configuration: frozen, validated, no I/O.
 
 Owns: `SchedulerConfig` and its parts (`BatchingConfig`, `RegimeConfig`, `AdmissionConfig`,
-`StepSizingConfig`, `ServicePrior`). Every error message names the value and the fix. YAML and environment
+`StepSizingConfig`, `ServicePrior`; the batch class's `BatchClassConfig` lives in
+batch_config.py). Every error message names the value and the fix. YAML and environment
 variables are read at the edge (serve_app/config_loader.py), never here.
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
@@ -10,6 +11,8 @@ Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall cl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from tidal_core.batch_config import BatchClassConfig
 
 MICROWAIT_HARD_CAP_S = 0.005
 """No adaptive micro-wait ever exceeds 5 ms, whatever the config says (the seed's rule)."""
@@ -229,6 +232,7 @@ class SchedulerConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     step_sizing: StepSizingConfig = field(default_factory=StepSizingConfig)
     service_prior: ServicePrior = field(default_factory=ServicePrior)
+    batch: BatchClassConfig = field(default_factory=BatchClassConfig)
 
     def __post_init__(self) -> None:
         _require(self.max_batch_size >= 1, f"max_batch_size={self.max_batch_size} must be >= 1")

@@ -1,6 +1,7 @@
 """A unit's requests and where each one is: waiting, prefilling or decoding.
 
-Owns: `UnitQueues` (single writer: the Scheduler) - the FIFO of waiting requests, the
+Owns: `UnitQueues` (single writer: the Scheduler) - the FIFO of waiting interactive requests,
+the batch class's own queue (`BatchQueue`, batch_queue.py), the
 prefilling requests in admission order, the `DecodeSet`, the KV block tables
 (`BlockManager`), the token counts that make the backlog O(1) to read, which requests the
 executor knows (announced / to forget), the stop-token index, and `check_integrity`, every
@@ -14,6 +15,7 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 
+from tidal_core.batch_queue import BatchQueue
 from tidal_core.block_hash import block_hashes, hash_seed
 from tidal_core.config import SchedulerConfig
 from tidal_core.decode_set import DecodeSet
@@ -24,8 +26,9 @@ from tidal_core.request import FinishReason, Request, RequestStatus
 
 
 class UnitQueues:
-    __slots__ = ("_hash_seed", "_stop_counts", "announced", "blocks", "cache", "decodes", "pending_finished",
-                 "prefill_remaining", "prefilling", "requests", "stop_set", "waiting", "waiting_tokens")
+    __slots__ = ("_hash_seed", "_stop_counts", "announced", "batch", "batch_prefill_remaining", "blocks", "cache",
+                 "decodes", "num_batch_running", "pending_finished", "prefill_remaining",
+                 "prefilling", "requests", "stop_set", "waiting", "waiting_tokens")
 
     def __init__(self, config: SchedulerConfig) -> None:
         # With prefix caching the block manager is the caching one (`cache` names it, typed).
@@ -42,6 +45,9 @@ class UnitQueues:
         self.prefilling: dict[str, Request] = {}
         self.decodes = DecodeSet(config.block_size, config.max_model_len)
         self.waiting_tokens = 0
+        self.batch = BatchQueue()
+        self.num_batch_running = 0  # batch requests prefilling or decoding
+        self.batch_prefill_remaining = 0  # the batch part of prefill_remaining
         self.prefill_remaining = 0  # prompt tokens of admitted requests not yet computed
         self.announced: set[str] = set()
         self.pending_finished: list[str] = []
@@ -53,8 +59,8 @@ class UnitQueues:
         return len(self.decodes.reqs) + len(self.prefilling)
 
     def oldest_arrival_s(self) -> float:
-        """Arrival of the oldest request whose prompt is not computed yet (inf with none)."""
-        oldest = next(iter(self.prefilling.values())).arrival_s if self.prefilling else math.inf
+        """Arrival of the oldest interactive request whose prompt is not computed yet (inf with none)."""
+        oldest = next((r.arrival_s for r in self.prefilling.values() if not r.is_batch), math.inf)
         return min(oldest, self.waiting[0].arrival_s) if self.waiting else oldest
 
     def expect_cached(self, req: Request) -> int:
@@ -70,8 +76,11 @@ class UnitQueues:
 
     def enqueue(self, req: Request) -> None:
         self.requests[req.request_id] = req
-        self.waiting.append(req)
-        self.waiting_tokens += req.num_tokens - req.expected_cached_tokens
+        if req.is_batch:
+            self.batch.append(req)
+        else:
+            self.waiting.append(req)
+            self.waiting_tokens += req.num_tokens - req.expected_cached_tokens
         if req.stop_ids:
             before = len(self._stop_counts)
             self._stop_counts.update(req.stop_ids)
@@ -79,11 +88,16 @@ class UnitQueues:
                 self.stop_set = frozenset(self._stop_counts)
 
     def start_prefill(self, req: Request, now: float, num_cached_tokens: int = 0) -> None:
-        """The head of the queue was admitted into a step (its KV is already reserved; its first
-        `num_cached_tokens` tokens came from the prefix cache and count as computed)."""
-        self.waiting.popleft()
+        """The head of its class's queue was admitted into a step (its KV is already reserved; its
+        first `num_cached_tokens` tokens came from the prefix cache and count as computed)."""
         need = req.num_tokens
-        self.waiting_tokens -= need - req.expected_cached_tokens
+        if req.is_batch:
+            self.batch.popleft()
+            self.num_batch_running += 1
+            self.batch_prefill_remaining += need - num_cached_tokens
+        else:
+            self.waiting.popleft()
+            self.waiting_tokens -= need - req.expected_cached_tokens
         self.prefill_remaining += need - num_cached_tokens
         req.expected_cached_tokens = 0
         req.num_computed_tokens = req.num_cached_tokens = num_cached_tokens
@@ -105,27 +119,36 @@ class UnitQueues:
             self.decodes.remove(rid)
         else:
             del self.prefilling[rid]
-            self.prefill_remaining -= req.num_tokens - req.num_computed_tokens
+            self._prefill_done(req, req.num_tokens - req.num_computed_tokens)
         self.blocks.free(rid)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
-        self.waiting.appendleft(req)
-        # Its blocks stay cached: the resumed request may find them again.
-        self.waiting_tokens += req.num_tokens - self.expect_cached(req)
+        if req.is_batch:
+            self.num_batch_running -= 1
+            self.batch.appendleft(req)
+        else:
+            self.waiting.appendleft(req)
+            # Its blocks stay cached: the resumed request may find them again.
+            self.waiting_tokens += req.num_tokens - self.expect_cached(req)
         self._forget_executor_state(rid)
 
     def remove(self, req: Request, reason: FinishReason, now: float) -> None:
         """`req` ends: out of whichever place holds it, its KV freed, its status final."""
         rid = req.request_id
         if req.status is RequestStatus.WAITING:
-            self.waiting.remove(req)
-            self.waiting_tokens -= req.num_tokens - req.num_computed_tokens - req.expected_cached_tokens
-        elif rid in self.decodes:
-            self.decodes.remove(rid)
-            req.num_computed_tokens = req.num_tokens - 1
-        elif self.prefilling.pop(rid, None) is not None:
-            self.prefill_remaining -= req.num_tokens - req.num_computed_tokens
+            if req.is_batch:
+                self.batch.remove(req)
+            else:
+                self.waiting.remove(req)
+                self.waiting_tokens -= req.num_tokens - req.num_computed_tokens - req.expected_cached_tokens
+        else:  # running: decoding, prefilling, or between the two (its prompt just completed)
+            self.num_batch_running -= req.is_batch
+            if rid in self.decodes:
+                self.decodes.remove(rid)
+                req.num_computed_tokens = req.num_tokens - 1
+            elif self.prefilling.pop(rid, None) is not None:
+                self._prefill_done(req, req.num_tokens - req.num_computed_tokens)
         self.blocks.free(rid)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -167,6 +190,8 @@ class UnitQueues:
             computed += n
             if cache is not None and req.block_hashes:  # its KV is written now: full blocks may be shared
                 cache.register(rid, req.block_hashes, req.num_computed_tokens)
+            if req.is_batch:
+                self.batch_prefill_remaining -= n
             if req.num_computed_tokens < req.num_tokens:
                 continue
             tok = sampled.get(rid)
@@ -178,6 +203,12 @@ class UnitQueues:
         self.prefill_remaining -= computed
         return computed, done
 
+    def _prefill_done(self, req: Request, num_tokens: int) -> None:
+        """`num_tokens` of `req`'s prompt leave the prefill backlog uncomputed (preempted, ended)."""
+        self.prefill_remaining -= num_tokens
+        if req.is_batch:
+            self.batch_prefill_remaining -= num_tokens
+
     def _forget_executor_state(self, rid: str) -> None:
         if rid in self.announced:
             self.announced.discard(rid)
@@ -188,13 +219,14 @@ class UnitQueues:
         blocks = self.blocks
         blocks.check_integrity()
         self.decodes.check_integrity()
-        waiting_ids = [r.request_id for r in self.waiting]
+        self.batch.check_integrity()
+        waiting_ids = [r.request_id for r in (*self.waiting, *self.batch.reqs)]
         groups = (set(waiting_ids), set(self.prefilling), set(self.decodes.reqs))
         if len(waiting_ids) != len(groups[0]):
             raise AssertionError("a request is queued twice")
         if sum(map(len, groups)) != len(self.requests) or set().union(*groups) != set(self.requests):
             raise AssertionError("waiting, prefilling and decoding do not partition the live requests")
-        for req in self.waiting:
+        for req in (*self.waiting, *self.batch.reqs):
             held = blocks.num_blocks_of(req.request_id)
             if req.status is not RequestStatus.WAITING or req.num_computed_tokens or held:
                 raise AssertionError(f"waiting {req} is not pristine")
@@ -222,6 +254,12 @@ class UnitQueues:
             raise AssertionError("waiting token count drifted")
         if self.prefill_remaining != sum(r.num_tokens - r.num_computed_tokens for r in self.prefilling.values()):
             raise AssertionError("prefill backlog count drifted")
+        batch_prefilling = [r for r in self.prefilling.values() if r.is_batch]
+        if self.batch_prefill_remaining != sum(r.num_tokens - r.num_computed_tokens for r in batch_prefilling):
+            raise AssertionError("batch prefill backlog count drifted")
+        running_batch = len(batch_prefilling) + sum(r.is_batch for r in self.decodes.reqs.values())
+        if self.num_batch_running != running_batch or any(r.is_batch for r in self.waiting):
+            raise AssertionError(f"{self.num_batch_running} batch requests counted running, {running_batch} are")
         expected = Counter[int]()
         for req in self.requests.values():
             expected.update(req.stop_ids)

@@ -18,6 +18,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from tidal_core.service_class import ServiceClass
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -89,6 +91,7 @@ class Request:
         "finish_reason",
         "finished_s",
         "first_token_s",
+        "is_batch",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
@@ -100,6 +103,7 @@ class Request:
         "raw_predicted_ttft_s",
         "request_id",
         "sampling",
+        "service_class",
         "status",
         "stop_ids",
         "ttft_prediction_ratio",
@@ -112,6 +116,7 @@ class Request:
         sampling: SamplingParams,
         arrival_s: float,
         prompt_token_ids: list[int] | None = None,
+        service_class: ServiceClass = ServiceClass.INTERACTIVE,
     ) -> None:
         if prompt_token_ids is not None and len(prompt_token_ids) != num_prompt_tokens:
             raise ValueError(
@@ -125,6 +130,9 @@ class Request:
         self.num_prompt_tokens = num_prompt_tokens
         self.sampling = sampling
         self.arrival_s = arrival_s
+        # Batch requests run only in the headroom interactive ones leave (core/batch_lane.py).
+        self.service_class = service_class
+        self.is_batch = service_class is ServiceClass.BATCH
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # Prompt tokens whose KV came from the prefix cache at admission (never recomputed).

@@ -4,6 +4,7 @@ Owns: the orchestration of one unit's policy objects, each in its own module: `U
 (queues.py: where every request is, its KV blocks), `BatchBuilder` (batch_builder.py: what a
 step holds, decode-first, chunked prefill), `LaunchPolicy` (microwait.py: when new prefills
 launch), `StepSizer` (step_sizer.py: how big a step may be for the TPOT target),
+`BatchLane` (batch_lane.py: the batch class, only in the headroom interactive requests leave),
 `TtftPredictor` (predictor.py), `AdmissionController`, `RegimeDetector`, `LoadEstimator`,
 `CudaGraphBuckets`. The baselines (presets.py) are configurations of these same objects.
 Three calls make an engine step, besides `add_request` (admission may answer `Rejection`) and `abort`:
@@ -21,6 +22,7 @@ import math
 
 from tidal_core.admission import AdmissionController, UnitState
 from tidal_core.batch_builder import BatchBuilder
+from tidal_core.batch_lane import BatchLane
 from tidal_core.buckets import CudaGraphBuckets
 from tidal_core.budget import StepBudget
 from tidal_core.config import SchedulerConfig
@@ -31,6 +33,7 @@ from tidal_core.predictor import TtftPredictor
 from tidal_core.queues import UnitQueues
 from tidal_core.regime import Regime, RegimeDetector
 from tidal_core.request import FinishReason, Request, RequestStatus
+from tidal_core.service_class import ServiceClass
 from tidal_core.snapshot import UnitLoad
 from tidal_core.stats import SchedulerStats
 from tidal_core.step_sizer import StepSizer
@@ -49,6 +52,8 @@ class Scheduler:
                                                                                    q.prefilling, q.requests)
         self.stats = SchedulerStats()
         self.builder = BatchBuilder(config, self.q, self.stats)
+        self.lane = BatchLane(config.batch, self.q, self.builder) if config.batch.enabled else None
+        self._batch_step = (0, 0)  # batch prompt tokens and batch decodes of the step in flight
         self.buckets = CudaGraphBuckets(config.cuda_graph_buckets)
         self.load = LoadEstimator(config.load_tau_s, config.service_prior, config.max_batch_size,
                                   config.num_kv_blocks * config.block_size)
@@ -90,23 +95,42 @@ class Scheduler:
         return self.blocks.usage()
 
     def backlog_prefill_tokens(self) -> int:
-        """Prompt tokens not yet computed: waiting prompts plus unfinished chunks."""
-        return self.q.waiting_tokens + self.q.prefill_remaining
+        """Interactive prompt tokens not yet computed: waiting prompts plus unfinished chunks
+        (batch work runs behind them, so it never delays them)."""
+        q = self.q
+        return q.waiting_tokens + q.prefill_remaining - q.batch_prefill_remaining
 
     def max_running(self) -> int:
         """The running-batch cap: max_batch_size, or less where the step sizer says so."""
         return self._running_cap
 
     def snapshot(self, now: float, unit_id: str = "") -> UnitLoad:
-        """This unit's state now, as routing, autoscaling, the simulator and metrics read it."""
+        """This unit's state now, as routing, autoscaling, the simulator and metrics read it.
+        `num_waiting`, `queue_delay_s` and `kv_usage` are the interactive view (batch work
+        yields its slots and KV); the batch class is reported apart."""
+        q = self.q
+        batch_kv = self._batch_kv_usage()
         return UnitLoad(unit_id, self.num_running, len(self.waiting), self.predicted_queue_delay_s(now),
-                        self.blocks.usage(), self.load.load(now), self.load.capacity_rps(), self.regime.regime)
+                        self.blocks.usage() - batch_kv, self.load.load(now), self.load.capacity_rps(),
+                        self.regime.regime, batch_waiting=len(q.batch),
+                        batch_backlog_tokens=q.batch.num_tokens + q.batch_prefill_remaining,
+                        batch_running=q.num_batch_running, batch_kv_usage=batch_kv)
+
+    def _batch_kv_usage(self) -> float:
+        """The share of the KV pool running batch requests hold (0 with none)."""
+        q = self.q
+        if not q.num_batch_running:
+            return 0.0
+        blocks = q.blocks
+        held = sum(blocks.num_blocks_of(r.request_id) for r in (*q.prefilling.values(), *q.decodes.reqs.values())
+                   if r.is_batch)
+        return held / blocks.num_blocks
 
     def predicted_queue_delay_s(self, now: float, own_prompt_tokens: int = 0, corrected: bool = True) -> float:
         """Time before a request arriving now would start its prefill (with `own_prompt_tokens`:
         would finish it, i.e. its predicted TTFT). See core/predictor.py."""
         n_dec = len(self.decodes.reqs)
-        slots_short = len(self.waiting) + 1 - (self._running_cap - self.num_running)
+        slots_short = len(self.waiting) + 1 - (self._running_cap - self.num_running + self.q.num_batch_running)
         return self.predictor.predict(now, self.backlog_prefill_tokens() + own_prompt_tokens, n_dec, slots_short,
                                       self.config.max_num_batched_tokens - n_dec, corrected)
 
@@ -115,9 +139,12 @@ class Scheduler:
         unit (`arrival_s` is the front end's arrival) plus `queue_delay_s` (else predicted now)."""
         if queue_delay_s is None:
             queue_delay_s = self.predicted_queue_delay_s(now, req.num_prompt_tokens - req.expected_cached_tokens)
-        busy = bool(self.waiting) or bool(self.prefilling) or self.num_running >= self._running_cap
-        return UnitState(len(self.waiting), len(self.decodes.reqs), self.blocks.usage(),
-                         max(0.0, now - req.arrival_s) + queue_delay_s, busy, self.regime.regime, len(self.requests))
+        q = self.q
+        running = self.num_running - q.num_batch_running  # batch requests yield their slots and KV
+        busy = bool(self.waiting) or q.prefill_remaining > q.batch_prefill_remaining or running >= self._running_cap
+        return UnitState(len(self.waiting), len(self.decodes.reqs), self.blocks.usage() - self._batch_kv_usage(),
+                         max(0.0, now - req.arrival_s) + queue_delay_s, busy, self.regime.regime,
+                         len(self.requests) - len(q.batch) - q.num_batch_running)
 
     def add_request(self, req: Request, now: float) -> Rejection | None:
         """Queue a request, or return why admission control turned it away. Admission judges the
@@ -125,6 +152,10 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
         self.stats.num_arrived += 1
+        if req.is_batch:
+            if self.lane is not None:
+                return self._add_batch(req, now)
+            req.service_class, req.is_batch = ServiceClass.INTERACTIVE, False  # no batch class: served as one
         # With prefix caching the predictions see the uncached tokens only (peeked, nothing taken).
         own = req.num_prompt_tokens - self.q.expect_cached(req)
         self.load.on_arrival(now, own, req.sampling.max_tokens)
@@ -138,6 +169,20 @@ class Scheduler:
         # Admission's prediction, and the raw model's (whose measured error trains the correction).
         req.queued_s, req.predicted_ttft_s = now, state.predicted_ttft_s
         req.raw_predicted_ttft_s = max(0.0, now - req.arrival_s) + raw
+        self.q.enqueue(req)
+        return None
+
+    def _add_batch(self, req: Request, now: float) -> Rejection | None:
+        """Queue a batch request: no TTFT rule applies, only the batch queue's bound."""
+        assert self.lane is not None
+        self.stats.num_batch_arrived += 1
+        rejection = self.admission.check_length(req) or self.lane.check(req, now, self.load)
+        if rejection is not None:
+            req.status, req.finished_s = RequestStatus.REJECTED, now
+            self.stats.rejected[rejection.reason] += 1
+            return rejection
+        req.queued_s = now
+        self.q.expect_cached(req)  # hashes its blocks: batch work shares the prefix cache too
         self.q.enqueue(req)
         return None
 
@@ -163,8 +208,8 @@ class Scheduler:
         and running-batch cap. One plan is in flight: `on_step_done` must come before the next."""
         if self._inflight is not None:
             raise RuntimeError(f"step {self._inflight.step_id} is still in flight; call on_step_done first")
-        decodes, waiting, prefilling = self.decodes, self.waiting, self.prefilling
-        if not decodes.reqs and not prefilling and not waiting:
+        decodes, waiting, prefilling, q = self.decodes, self.waiting, self.prefilling, self.q
+        if not decodes.reqs and not prefilling and not waiting and not q.batch:
             return IDLE
         cfg = self.config
         if now >= self._next_observe_s:
@@ -172,19 +217,24 @@ class Scheduler:
         load, regime = self.last_load, self.regime.regime
         budget = StepBudget(cfg.max_num_batched_tokens, cfg.max_batch_size)
         new_block_ids: dict[str, list[int]] = {}
+        lane = self.lane
+        yielded = lane.yield_to_interactive(self._running_cap) if lane is not None and waiting else ()
         preempted = self.builder.grow_decodes(new_block_ids) if decodes.reqs else ()
-        for victim in preempted:
-            self.stats.preempted["kv_exhausted"] += 1
-            if self.sizer is not None:
-                self.sizer.on_decode_end(victim.request_id)
+        for reason, victims in (("batch_yield", yielded), ("kv_exhausted", preempted)):
+            for victim in victims:
+                self.stats.on_preempted(reason, victim.service_class.value)
+                if self.sizer is not None:
+                    self.sizer.on_decode_end(victim.request_id)
         sched = decodes.ones.copy()
         n_dec = len(sched)
         budget.take_decodes(n_dec)
         wanted = budget.tokens_left
-        allowance = self._prefill_allowance(now, n_dec) if waiting or prefilling else wanted
+        interactive_work = bool(waiting) or q.prefill_remaining > q.batch_prefill_remaining
+        batch_work = lane is not None and (bool(q.batch) or q.batch_prefill_remaining > 0)
+        allowance = self._prefill_allowance(now, n_dec) if interactive_work or batch_work else wanted
         if allowance < wanted:
             budget.tokens_left = int(max(0, allowance))
-        self._had_backlog = bool(waiting) or bool(prefilling)
+        self._had_backlog = interactive_work
         self._scheduled_at = now
         new_reqs: list[NewRequestData] = []
         prefill_ctx: dict[str, int] = {}
@@ -201,10 +251,24 @@ class Scheduler:
             elif not sched and decision.deadline_s is not None:
                 self.stats.record_wait(decision.reason, max(0.0, decision.deadline_s - now))
                 return WaitUntil(decision.deadline_s, decision.reason)
+        batch_tokens = 0
+        # Batch work takes no prefill while an interactive prompt is pending: the whole allowance
+        # (the decodes' banks) goes to interactive TTFT first.
+        if batch_work and not budget.exhausted and not waiting and q.prefill_remaining == q.batch_prefill_remaining:
+            assert lane is not None
+            sizer = self.sizer
+            limit = lane.token_allowance(self.load.service, sizer.aim_s if sizer else None, n_dec, prefill_tokens,
+                                         not sched, sizer.min_bank_s() if sizer else math.inf, load)
+            batch_tokens = lane.fill(now, budget, sched, prefill_ctx, new_reqs, limit,
+                                     self._running_cap - self.num_running)
+            prefill_tokens += batch_tokens
         if not sched:
             raise AssertionError(f"nothing schedulable with {len(waiting)} waiting and {self.num_running} running")
-        if budget.tokens_left <= 0 < wanted and allowance < wanted and (waiting or prefilling):
+        if budget.tokens_left <= 0 < wanted and allowance < wanted and interactive_work:
             self.stats.tpot_limited_steps += 1
+        if q.num_batch_running:
+            self._batch_step = (batch_tokens, q.num_batch_running - sum(r.is_batch for r in prefilling.values()))
+        preempted = [*yielded, *preempted] if yielded else preempted
         padded = self.buckets.pad_step(n_dec, prefill_tokens)
         self._step_id += 1
         plan = StepPlan(self._step_id, sched, prefill_ctx, new_reqs, new_block_ids, self.q.pending_finished,
@@ -223,6 +287,13 @@ class Scheduler:
             raise RuntimeError(f"on_step_done for step {plan.step_id}, which is not the step in flight")
         self._inflight = None
         self.load.on_step(plan.num_prefill_tokens, plan.num_decode_seqs, result.device_time_s)
+        if self._batch_step != (0, 0):
+            batch_tokens, batch_decodes = self._batch_step
+            self._batch_step = (0, 0)
+            self.stats.num_batch_generated_tokens += batch_decodes
+            self.stats.num_batch_prompt_tokens_computed += batch_tokens
+            if self.lane is not None:
+                self.lane.on_tokens(now, batch_tokens + batch_decodes)
         if self._had_backlog:
             self.load.prefill.on_step(now, now - self._scheduled_at, plan.num_prefill_tokens)
         if self.sizer is not None:
@@ -249,7 +320,7 @@ class Scheduler:
         self._next_observe_s = now + OBSERVE_PERIOD_S
         self.last_load = load = self.load.load(now)
         self.regime.update(now, load, self.predicted_queue_delay_s(now) / self.config.admission.target_ttft_s,
-                           self.blocks.usage())
+                           self.blocks.usage() - self._batch_kv_usage())
 
     def _refresh_running_cap(self) -> None:
         cap = self.config.max_batch_size
@@ -278,19 +349,21 @@ class Scheduler:
             if req.first_token_s is None:
                 self.predictor.on_first_token(req, now)
                 first.append(req.request_id)
+            if req.is_batch:
+                stats.num_batch_generated_tokens += 1
             if self.q.hit_stop(req, req.output_token_ids[-1]):
                 self._finish(req, FinishReason.STOP, now, finished)
             elif len(req.output_token_ids) >= self.decodes.length_limit(req):
                 self._finish(req, FinishReason.LENGTH, now, finished)
             else:
                 self.decodes.add(req)
-                if sizer is not None:
+                if sizer is not None and not req.is_batch:  # batch decodes keep no TPOT bank
                     sizer.on_decode_start(req.request_id)
         return first
 
     def _finish(self, req: Request, reason: FinishReason, now: float, finished: list[Request] | None) -> None:
         self.q.remove(req, reason, now)
-        done = reason is not FinishReason.ABORT
+        done = reason is not FinishReason.ABORT and not req.is_batch  # batch lengths would skew the SLO's models
         if done:
             self.load.on_finish(now, len(req.output_token_ids))
         if self.sizer is not None:

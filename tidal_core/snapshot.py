@@ -27,7 +27,14 @@ class UnitLoad:
     what one more prompt token would add to a new request's predicted TTFT (0: not published),
     so a front end can add a request's own prefill to `queue_delay_s`, and `num_arrived` counts the
     requests it has received, so a front end can tell how many it sent are still on the way
-    (tidal_core/front_admission.py)."""
+    (tidal_core/front_admission.py).
+
+    The batch class (core/batch_lane.py) is reported apart so an autoscaler can count
+    interactive demand only: `num_waiting`, `queue_delay_s` and `kv_usage` are interactive
+    (batch work yields its slots and KV to them); `num_running` is every running request, of
+    which `batch_running` are batch; `batch_waiting` requests (`batch_backlog_tokens` prompt
+    tokens, queued or not yet computed) wait for headroom; `batch_kv_usage` is the share of the
+    KV pool batch requests hold."""
 
     unit_id: str
     num_running: int
@@ -40,6 +47,10 @@ class UnitLoad:
     healthy: bool = True
     prefill_s_per_token: float = 0.0
     num_arrived: int = 0  # requests the unit has received since it started (admitted or not)
+    batch_waiting: int = 0
+    batch_backlog_tokens: int = 0
+    batch_running: int = 0
+    batch_kv_usage: float = 0.0
 
     def to_stats(self) -> dict[str, float]:
         """The wire form: floats only (Serve's stats contract); the unit id is the replica's."""
@@ -53,6 +64,10 @@ class UnitLoad:
             "regime": float(REGIME_LEVEL[self.regime]),
             "prefill_s_per_token": self.prefill_s_per_token,
             "num_arrived": float(self.num_arrived),
+            "batch_waiting": float(self.batch_waiting),
+            "batch_backlog_tokens": float(self.batch_backlog_tokens),
+            "batch_running": float(self.batch_running),
+            "batch_kv_usage": self.batch_kv_usage,
         }
 
     @classmethod
@@ -63,7 +78,9 @@ class UnitLoad:
                    float(s.get("queue_delay_s", 0.0)), float(s.get("kv_usage", 0.0)), float(s.get("load", 0.0)),
                    float(s.get("capacity_rps", 0.0)), _REGIME_BY_LEVEL.get(int(s.get("regime", 0)), Regime.LIGHT),
                    prefill_s_per_token=float(s.get("prefill_s_per_token", 0.0)),
-                   num_arrived=int(s.get("num_arrived", 0)))
+                   num_arrived=int(s.get("num_arrived", 0)), batch_waiting=int(s.get("batch_waiting", 0)),
+                   batch_backlog_tokens=int(s.get("batch_backlog_tokens", 0)),
+                   batch_running=int(s.get("batch_running", 0)), batch_kv_usage=float(s.get("batch_kv_usage", 0.0)))
 
 
 STAT_KEYS: tuple[str, ...] = tuple(UnitLoad("", 0, 0, 0.0, 0.0).to_stats())

@@ -7,8 +7,10 @@ record of core/plan.py, kept as `last_step` for drivers that export it.
 Reason labels (stable; dashboards and alerts use them):
 - dispatch: immediate, join, full, budget, microwait_expired, wait_expired, decode_only
 - wait (WaitUntil): microwait, fixed_wait, static_batch
-- rejected: too_long, queue_full, prefill_backlog, kv_pressure
-- preempted: kv_exhausted
+- rejected: too_long, queue_full, prefill_backlog, kv_pressure, batch_queue_full
+- preempted: kv_exhausted, batch_yield (a batch request gave its slot or KV to interactive ones);
+  `preempted_by_class`: the same preemptions by service class (interactive, batch);
+  `preempted_by`: by (reason, service class), what the preemption metric exports
 - finished: stop, length, abort
 - `tpot_limited_steps`: steps whose prefill the TPOT governor cut (core/tpot.py)
 
@@ -83,6 +85,16 @@ class SchedulerStats:
     prefix_cache_query_requests: int = 0
     prefix_cache_hit_requests: int = 0
     last_step: StepStats | None = None
+    preempted_by_class: Counter[str] = field(default_factory=Counter)
+    preempted_by: Counter[tuple[str, str]] = field(default_factory=Counter)
+    num_batch_arrived: int = 0
+    num_batch_generated_tokens: int = 0
+    num_batch_prompt_tokens_computed: int = 0
+
+    def on_preempted(self, reason: str, service_class: str) -> None:
+        self.preempted[reason] += 1
+        self.preempted_by_class[service_class] += 1
+        self.preempted_by[(reason, service_class)] += 1
 
     def record_wait(self, reason: str, wait_s: float) -> None:
         self.num_waits += 1

@@ -1,4 +1,11 @@
-"""`tidal simulate` and `tidal study`: the simulator's command line."""
+"""`tidal simulate` and `tidal study`: the simulator's command line.
+
+`tidal simulate --batch-backlog N` adds N batch-class requests (`service_tier="flex"`) to the
+trace at `--batch-at`, with lengths from `--batch-lengths`, due by `--batch-due`, and reports
+the interactive requests' figures (the SLO table) and the backlog's (a second table) apart;
+`--batch-compare` also runs each policy with the backlog sent as ordinary requests
+(`batch.enabled=false`) and on the trace without the backlog (loadgen/sim/backlog.py).
+"""
 
 from __future__ import annotations
 
@@ -26,6 +33,39 @@ def _trace_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
+def _backlog_times(args: argparse.Namespace) -> tuple[float, float | None]:
+    """(`--batch-at`, `--batch-due`) in seconds from the trace's start; ValueError names the fix."""
+    from loadgen.sim.backlog import clock_s
+
+    at_s = clock_s(args.batch_at)
+    due_s = clock_s(args.batch_due) if args.batch_due else None
+    if due_s is not None and due_s <= at_s:
+        raise ValueError(f"--batch-due {args.batch_due} must be after --batch-at {args.batch_at}")
+    if args.batch_backlog < 0:
+        raise ValueError(f"--batch-backlog {args.batch_backlog} must be >= 0")
+    return at_s, due_s
+
+
+def _runs(spec: Any, policies: list[str], compare: bool, day: Any, progress: bool) -> list[Any]:
+    """Each policy on `spec`; with a backlog and `compare`, also without the batch class
+    (`<policy>-no-batch-class`) and on the trace without the backlog (`<policy>-day`)."""
+    from dataclasses import replace
+
+    from loadgen.sim.runner import run_policy
+
+    runs = []
+    for p in policies:
+        runs.append(run_policy(spec, p, progress=progress))
+        if compare and spec.batch_ids:
+            off = replace(spec, overrides={**spec.overrides, "batch.enabled": "false"})
+            alone = replace(spec, trace=day, batch_ids=frozenset())
+            for label, variant in ((f"{p}-no-batch-class", off), (f"{p}-day", alone)):
+                run = run_policy(variant, p, progress=progress)
+                run.policy = label
+                runs.append(run)
+    return runs
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     from tidal_core.overrides import apply_overrides, parse_pairs
 
@@ -33,12 +73,14 @@ def run_simulate(args: argparse.Namespace) -> int:
         overrides = parse_pairs([*(args.set or []), *(["enable_prefix_caching=true"] if args.prefix_caching else [])])
         for name in args.policy:
             apply_overrides(preset(name), overrides)
+        at_s, due_s = _backlog_times(args)
     except ValueError as e:
         print(f"tidal simulate: {e}", file=sys.stderr)
         return 2
     from calibration.cost_model import CostModel
     from loadgen.report import Slo
-    from loadgen.sim.runner import RunSpec, run_policy, summary_markdown, unit_config, write_run
+    from loadgen.sim.backlog import batch_markdown, with_backlog
+    from loadgen.sim.runner import RunSpec, summary_markdown, unit_config, write_run
     from loadgen.sim.study import day_trace
     from loadgen.traces import load_trace
 
@@ -50,14 +92,24 @@ def run_simulate(args: argparse.Namespace) -> int:
                           peak_load=args.peak_load, cv=args.cv, units=args.units)
     else:
         trace = load_trace(args.trace, hours=args.hours, seed=args.seed, **_trace_kwargs(args))
-    trace = trace.clipped(args.max_model_len - 1, args.max_model_len - 1)
+    day = trace = trace.clipped(args.max_model_len - 1, args.max_model_len - 1)
+    batch_ids: frozenset[int] = frozenset()
+    if args.batch_backlog:
+        trace, batch_ids = with_backlog(day, args.batch_backlog, seed=args.seed, max_len=args.max_model_len,
+                                        at_s=at_s, source=args.batch_lengths)
     autoscale = AutoscaleConfig(min_units=args.min_units, max_units=args.max_units) if args.autoscale else None
     spec = RunSpec(trace, base, cost, Slo(args.slo_ttft, args.slo_tpot), units=args.units, autoscale=autoscale,
-                   provisioning_s=args.provisioning_s, seed=args.seed, overrides=overrides, routing=args.routing)
-    runs = [run_policy(spec, p, progress=not args.quiet) for p in args.policy]
+                   provisioning_s=args.provisioning_s, seed=args.seed, overrides=overrides, routing=args.routing,
+                   batch_ids=batch_ids, batch_due_s=due_s)
+    runs = _runs(spec, args.policy, args.batch_compare, day, not args.quiet)
     out = Path(args.out)
     write_run(out, f"{trace.name} on {cost.name}", runs, spec.slo, requests_jsonl=not args.no_requests)
     print(summary_markdown(runs))
+    if batch_ids:
+        table = batch_markdown({r.policy: r.summary for r in runs if "batch_arrived" in r.summary})
+        (out / "batch.md").write_text(table)
+        print(f"\nbatch backlog ({len(batch_ids)} requests at {args.batch_at}, due {args.batch_due or 'trace end'}; "
+              "the table above counts interactive requests only)\n\n" + table)
     print(json.dumps({r.policy: round(r.wall_s, 1) for r in runs}), "(wall seconds per policy)", file=sys.stderr)
     return 0
 
@@ -71,6 +123,22 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot", type=float, default=0.1, help="TPOT target, seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _batch_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("batch backlog", "deferrable work sent as the batch class (service_tier=flex); the SLO "
+                             "table then counts interactive requests only, the backlog gets its own table")
+    g.add_argument("--batch-backlog", type=int, default=0, metavar="N", help="batch requests to add (default 0: none)")
+    g.add_argument("--batch-lengths", default="azure-code", metavar="SOURCE",
+                   help="their (prompt, output) lengths, resampled from a trace: azure-code (default), azure-conv, "
+                        "mooncake-conv, or a trace file")
+    g.add_argument("--batch-at", default="00:00", metavar="HH:MM", help="when they are all submitted (default 00:00, "
+                                                                          "the trace's start)")
+    g.add_argument("--batch-due", default=None, metavar="HH:MM",
+                   help="due time: the backlog table counts those done by then (default: the trace's end)")
+    g.add_argument("--batch-compare", action="store_true",
+                   help="also run each policy with the backlog as ordinary requests (batch.enabled=false) and on "
+                        "the trace without it")
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -102,6 +170,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--max-input", type=int, default=None)
     p.add_argument("--max-output", type=int, default=None)
     p.add_argument("--no-requests", action="store_true", help="skip the per-request JSONL files")
+    _batch_options(p)
     p.add_argument("--out", required=True)
     p.set_defaults(func=run_simulate)
 

@@ -33,6 +33,7 @@ class SimConfig:
     seed: int = 0
     retries: RetryPolicy | None = None  # clients retry refusals (loadgen/sim/retries.py); None: never
     routing: str = "load"
+    batch_ids: frozenset[int] = frozenset()  # trace indices sent as the batch class (loadgen/sim/backlog.py)
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:

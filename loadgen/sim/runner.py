@@ -26,6 +26,7 @@ from loadgen import plots
 from loadgen.records import Trace
 from loadgen.report import STATUS_NAMES, RunOutcomes, Slo, markdown_table, per_hour, summarize, write_json
 from loadgen.retry_policy import RetryPolicy
+from loadgen.sim.backlog import class_split
 from loadgen.sim.config import SimConfig
 from loadgen.sim.simulation import SimRun, simulate
 from tidal_core import AutoscaleConfig, SchedulerConfig, preset
@@ -80,6 +81,8 @@ class RunSpec:
     overrides: dict[str, str] = field(default_factory=dict)  # dotted field=value, applied last
     retries: RetryPolicy | None = None  # clients retry refused requests (the openai client's rules)
     routing: str = "load"  # fleet routing: "load" or "prefix" (cache-aware)
+    batch_ids: frozenset[int] = frozenset()  # trace indices sent as the batch class (a backlog)
+    batch_due_s: float | None = None  # the backlog's due time (None: the trace's end)
 
 
 def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:
@@ -91,7 +94,7 @@ def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:
     cfg = apply_overrides(cfg, spec.overrides)  # `tidal simulate --set`: last, so any field can change
     config = SimConfig(cfg, executor_factory(spec.cost_model), spec.slo, num_units=spec.units,
                        gpus_per_unit=spec.cost_model.tp, autoscale=spec.autoscale, provisioning_s=spec.provisioning_s,
-                       seed=spec.seed, retries=spec.retries, routing=spec.routing)
+                       seed=spec.seed, retries=spec.retries, routing=spec.routing, batch_ids=spec.batch_ids)
     bar = tqdm(total=len(spec.trace), desc=f"{policy:>10}", unit="req", disable=not progress, leave=False,
                mininterval=1.0)
     t0 = time.perf_counter()
@@ -100,12 +103,15 @@ def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:
     bar.close()
     run.wall_s = wall
     gpu_by_hour = gpu_hours_by_hour(run.unit_intervals, spec.trace.duration_s, spec.cost_model.tp)
-    summary = summarize(run.outcomes, spec.slo)
+    if spec.batch_ids:  # the SLO figures are the interactive requests'; the backlog is reported apart
+        outcomes, summary = class_split(run.outcomes, spec.batch_ids, spec.slo, spec.batch_due_s)
+    else:
+        outcomes, summary = run.outcomes, summarize(run.outcomes, spec.slo)
     if run.prefix_cache:  # prefix caching on: its hit rate beside an unbounded cache's
         summary["prefix_hit_rate"] = round(run.prefix_cache["hit_rate"], 4)
         summary["prefix_ideal_hit_rate"] = round(run.prefix_cache["ideal_hit_rate"], 4)
         summary["prefix_ideal_hit_rate_served"] = round(run.prefix_cache["ideal_hit_rate_served"], 4)
-    return PolicyRun(policy, run, summary, per_hour(run.outcomes, spec.slo, gpu_hours_by_hour=gpu_by_hour), wall)
+    return PolicyRun(policy, run, summary, per_hour(outcomes, spec.slo, gpu_hours_by_hour=gpu_by_hour), wall)
 
 
 def gpu_hours_by_hour(intervals: Sequence[tuple[float, float]], duration_s: float, gpus: int) -> list[float]:

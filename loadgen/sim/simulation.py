@@ -33,8 +33,10 @@ from loadgen.sim.prefix_blocks import PrefixBlocks, ideal_hit_rate
 from loadgen.sim.retries import RetryingClients
 from loadgen.sim.unit import Unit
 from tidal_core import Request, Run, SamplingParams, Scheduler, WaitUntil
+from tidal_core.service_class import ServiceClass
 
 INF = math.inf
+BATCH, INTERACTIVE = ServiceClass.BATCH, ServiceClass.INTERACTIVE
 PROGRESS_EVERY = 10_000  # arrivals between two progress callbacks
 
 
@@ -133,7 +135,9 @@ class Simulation:
         """Route request `i`; admission may reject it; an idle or waiting unit re-decides."""
         hashes = self.prefix.hashes(i, self.inputs[i]) if self._hashing else None
         unit = self.fleet.route(now, hashes, self.inputs[i])
-        req = Request(str(i), self.inputs[i], SamplingParams(max_tokens=self.outputs[i], ignore_eos=True), now)
+        cls = BATCH if i in self.config.batch_ids else INTERACTIVE
+        req = Request(str(i), self.inputs[i], SamplingParams(max_tokens=self.outputs[i], ignore_eos=True), now,
+                      service_class=cls)
         req.block_hashes = hashes
         rejection = unit.sched.add_request(req, now) if unit is not None else None
         if unit is None or rejection is not None:

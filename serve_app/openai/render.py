@@ -111,15 +111,17 @@ def merge_responses(responses: Sequence[CompletionResponse | ChatCompletionRespo
 
 class CompletionRenderer:
     def __init__(self, request_id: str, model: str, created: int, strings: TokenStrings,
-                 num_logprobs: int | None = None, echo_text: str | None = None, index: int = 0) -> None:
+                 num_logprobs: int | None = None, echo_text: str | None = None, index: int = 0,
+                 service_tier: str | None = None) -> None:
         self.request_id, self.model, self.created, self.index = request_id, model, created, index
+        self.service_tier = service_tier
         self.strings = strings
         self.num_logprobs = num_logprobs
         self.echo_text = echo_text
 
     def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
-                                  usage=usage)
+                                  usage=usage, service_tier=self.service_tier)
 
     def preamble(self) -> list[BaseModel]:
         return [self._chunk([CompletionChoice(index=self.index, text=self.echo_text)])] if self.echo_text else []
@@ -149,14 +151,15 @@ class CompletionRenderer:
 
 class ChatRenderer:
     def __init__(self, request_id: str, model: str, created: int, strings: TokenStrings,
-                 num_logprobs: int | None = None, index: int = 0) -> None:
+                 num_logprobs: int | None = None, index: int = 0, service_tier: str | None = None) -> None:
         self.request_id, self.model, self.created, self.index = request_id, model, created, index
+        self.service_tier = service_tier
         self.strings = strings
         self.num_logprobs = num_logprobs  # None: logprobs off; else how many alternatives per token
 
     def _chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> BaseModel:
         return ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
-                                            choices=choices, usage=usage)
+                                            choices=choices, usage=usage, service_tier=self.service_tier)
 
     def preamble(self) -> list[BaseModel]:
         # OpenAI's first chunk announces the role with empty content.
@@ -184,4 +187,5 @@ class ChatRenderer:
         choice = ChatCompletionChoice(index=self.index, message=ChatResponseMessage(content=text), logprobs=logprobs,
                                       finish_reason=_finish(finish_reason))
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=[choice],
-                                      usage=_usage(prompt_tokens, completion_tokens, cached_tokens))
+                                      usage=_usage(prompt_tokens, completion_tokens, cached_tokens),
+                                      service_tier=self.service_tier)

@@ -111,6 +111,11 @@ class SamplingFields(OpenAIModel):
     logit_bias: dict[str, float] | None = Field(None, description="Not supported (must be empty)",
                                                 **_only(maxProperties=0))
     user: StrictStr | None = None
+    service_tier: Literal["auto", "default", "flex"] | None = Field(
+        None, description="'flex': the batch class (deferrable, runs in the headroom interactive traffic leaves, "
+        "never refused for latency); 'auto'/'default': interactive")
+    priority: Int64 | None = Field(None, description="Extension (vLLM's): above 0 is the batch class, 0 or below "
+                                   "interactive; service_tier, when given, decides")
     ignore_eos: StrictBool = Field(False, description="Extension: do not stop at the model's EOS tokens")
     min_tokens: NonNegativeInt = Field(0, description="Extension: no EOS/stop before this many")
     stop_token_ids: list[NonNegativeInt] | None = Field(None, description="Extension")

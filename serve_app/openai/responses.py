@@ -46,6 +46,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    service_tier: str | None = None  # "flex" (batch class) or "default" (interactive)
 
 
 class TopLogprob(BaseModel):
@@ -84,6 +85,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    service_tier: str | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -111,6 +113,7 @@ class ChatCompletionStreamResponse(BaseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    service_tier: str | None = None
 
 
 class ModelCard(BaseModel):

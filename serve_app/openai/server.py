@@ -47,6 +47,7 @@ from serve_app.openai.sampling_defaults import SamplingDefaults
 from serve_app.unit_api import GenerateChunk, GenerateRequest
 from serve_app.unit_stream import EngineClient, EngineStream, open_stream
 from tidal_core.request import SamplingParams
+from tidal_core.service_class import ServiceClass, service_class_of
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,6 +58,14 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/comple
 OFFLOAD_CHARS = 1024
 
 Renderer = CompletionRenderer | ChatRenderer
+
+
+def _service_class(request: SamplingFields) -> ServiceClass:
+    """The class `service_tier` / `priority` ask for (both validated by the request model)."""
+    try:
+        return service_class_of(request.service_tier, request.priority)
+    except ValueError as err:
+        raise bad_request(str(err), "service_tier" if request.service_tier is not None else "priority") from err
 
 
 @dataclass(frozen=True)
@@ -262,12 +271,16 @@ class OpenAIServer:
         if self.request_timeout_s is not None:
             deadline = asyncio.get_running_loop().time() + self.request_timeout_s
         many = len(renderers) > 1
+        asked = _service_class(request)
 
         async def start(index: int, renderer: Renderer) -> _Run:
             rid = f"{renderer.request_id}-{index}" if many else renderer.request_id
             params = sampling if not many or sampling.seed is None else \
                 replace(sampling, seed=sampling.seed + index)
-            stream, first = await open_stream(self.engine, GenerateRequest(rid, ids, params, arrival_s), deadline)
+            gen = GenerateRequest(rid, ids, params, arrival_s, service_class=asked)
+            stream, first = await open_stream(self.engine, gen, deadline)
+            if first.service_class is not None:  # the tier that serves it, as the unit says (not the one asked)
+                renderer.service_tier = first.service_class.tier_name
             output = OutputText(self.tokenizer, ids, request.stop_strings(),
                                 include_stop=request.include_stop_str_in_output, min_tokens=request.min_tokens,
                                 skip_special_tokens=request.skip_special_tokens)

@@ -22,6 +22,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import httpx
 
 from serve_app.unit_api import EngineError, GenerateChunk, GenerateRequest, ModelInfo
+from tidal_core.service_class import ServiceClass
 
 MODEL = "smollm2-135m-instruct"
 EOS = 2  # <|im_end|>
@@ -39,7 +40,8 @@ class FakeEngine:
     def __init__(self, tokenizer: Any, reply: str = "Hello there! How can I help?", *, max_model_len: int = 2048,
                  tokens_per_chunk: int = 1, first_error: EngineError | None = None,
                  error_after: int | None = None, forever: bool = False, healthy: bool | Exception = True,
-                 delay_s: float = 0.0, logprobs_alternatives: int = 3, cached_tokens: int = 0) -> None:
+                 delay_s: float = 0.0, logprobs_alternatives: int = 3, cached_tokens: int = 0,
+                 batch_class: bool = True) -> None:
         self.model_info = ModelInfo(MODEL, max_model_len, (EOS,), "hf")
         self.reply_ids: list[int] = list(tokenizer.encode(reply, add_special_tokens=False))
         self.tokens_per_chunk = tokens_per_chunk
@@ -50,6 +52,7 @@ class FakeEngine:
         self.delay_s = delay_s
         self.alternatives = logprobs_alternatives
         self.cached_tokens = cached_tokens  # the prefix-cache hit every token chunk reports
+        self.batch_class = batch_class  # False: a unit with `batch.enabled=false` (flex served as interactive)
         self.requests: list[GenerateRequest] = []
         self.closed_early: list[str] = []  # request ids whose stream was closed before it finished
         self.completed: list[str] = []
@@ -87,7 +90,10 @@ class FakeEngine:
                 done = True
                 yield GenerateChunk(error=self.first_error, num_prompt_tokens=len(request.prompt_token_ids))
                 return
+            served = request.service_class if self.batch_class else ServiceClass.INTERACTIVE
             async for chunk in self._chunks(request):
+                if chunk.error is None:  # the unit names the serving class on its first chunk of tokens
+                    chunk.service_class, served = served, None
                 done = chunk.finish_reason is not None or chunk.error is not None
                 yield chunk
         finally:

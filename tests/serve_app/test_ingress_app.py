@@ -56,6 +56,7 @@ def expected_chat_events(tok: Any, rid: str, created: int, reply: str, usage: tu
         if usage is not None:
             body["usage"] = usage_value
         body["system_fingerprint"] = None
+        body["service_tier"] = "default"  # the tier that served it (an interactive request here)
         return f"data: {json.dumps(body, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
     def choice(delta: dict[str, str], finish: str | None = None) -> dict[str, Any]:
