@@ -30,17 +30,20 @@ from __future__ import annotations
 
 import math
 
+from tidal_core.admission import AdmissionController
 from tidal_core.batch_builder import BatchBuilder
 from tidal_core.batch_config import BatchClassConfig
 from tidal_core.budget import StepBudget
 from tidal_core.load import LoadEstimator, RateEstimator, ServiceModel
 from tidal_core.plan import NewRequestData, Rejection
 from tidal_core.queues import UnitQueues
-from tidal_core.request import Request
+from tidal_core.request import Request, RequestStatus
+from tidal_core.stats import SchedulerStats
+from tidal_core.step_sizer import StepSizer
 
 
 class BatchLane:
-    __slots__ = ("_drain", "_measured", "builder", "config", "keep_free_blocks", "queues")
+    __slots__ = ("_drain", "_measured", "_step", "builder", "config", "keep_free_blocks", "queues")
 
     def __init__(self, config: BatchClassConfig, queues: UnitQueues, builder: BatchBuilder) -> None:
         self.config = config
@@ -48,12 +51,27 @@ class BatchLane:
         self.builder = builder
         self._drain = RateEstimator(config.drain_tau_s)
         self._measured = False
+        self._step = (0, 0)  # batch prompt tokens and batch decodes of the step in flight
         blocks = queues.blocks
         # A new batch request must leave this many blocks free: usage stays within max_kv_usage.
         self.keep_free_blocks = max(blocks.watermark_blocks,
                                     math.ceil((1.0 - config.max_kv_usage) * blocks.num_blocks))
 
     # ---- admission -----------------------------------------------------------------------
+    def add(self, req: Request, now: float, load: LoadEstimator, admission: AdmissionController,
+            stats: SchedulerStats) -> Rejection | None:
+        """Queue a batch request: no TTFT rule applies, only its length and the batch queue's bound."""
+        stats.num_batch_arrived += 1
+        rejection = admission.check_length(req) or self.check(req, now, load)
+        if rejection is not None:
+            req.status, req.finished_s = RequestStatus.REJECTED, now
+            stats.rejected[rejection.reason] += 1
+            return rejection
+        req.queued_s = now
+        self.queues.expect_cached(req)  # hashes its blocks: batch work shares the prefix cache too
+        self.queues.enqueue(req)
+        return None
+
     def drain_rate(self, now: float, load: LoadEstimator) -> float:
         """Batch tokens per second this unit computes: measured, or its headroom before any."""
         if self._measured:
@@ -113,6 +131,36 @@ class BatchLane:
         raise AssertionError("no batch request is running")
 
     # ---- filling a step ------------------------------------------------------------------
+    def fill_step(self, now: float, budget: StepBudget, sched: dict[str, int], prefill_ctx: dict[str, int],
+                  new_reqs: list[NewRequestData], num_decodes: int, prefill_tokens: int, sizer: StepSizer | None,
+                  load: LoadEstimator, interactive_load: float, room: float) -> int:
+        """The batch part of a step, after the interactive part: none while an interactive prompt
+        is pending (the whole allowance, the decodes' banks, goes to interactive TTFT first), else
+        chunks and new batch requests within `token_allowance`. Returns the batch prompt tokens."""
+        q = self.queues
+        if budget.exhausted or q.waiting or q.prefill_remaining != q.batch_prefill_remaining:
+            return 0
+        if not q.batch and not q.batch_prefill_remaining:
+            return 0
+        limit = self.token_allowance(load.service, sizer.aim_s if sizer else None, num_decodes, prefill_tokens,
+                                     not sched, sizer.min_bank_s() if sizer else math.inf, interactive_load)
+        return self.fill(now, budget, sched, prefill_ctx, new_reqs, limit, room)
+
+    def started_step(self, batch_tokens: int) -> None:
+        """The step just planned holds `batch_tokens` batch prompt tokens (and every batch decode)."""
+        q = self.queues
+        if q.num_batch_running:
+            self._step = (batch_tokens, q.num_batch_running - sum(r.is_batch for r in q.prefilling.values()))
+
+    def step_done(self, now: float, stats: SchedulerStats) -> None:
+        """The step in flight ended: its batch tokens count, and train the drain rate."""
+        if self._step != (0, 0):
+            batch_tokens, batch_decodes = self._step
+            self._step = (0, 0)
+            stats.num_batch_generated_tokens += batch_decodes
+            stats.num_batch_prompt_tokens_computed += batch_tokens
+            self.on_tokens(now, batch_tokens + batch_decodes)
+
     def token_allowance(self, svc: ServiceModel, aim_s: float | None, num_decodes: int, prefill_tokens: int,
                         empty: bool, min_bank_s: float = math.inf, load: float = 1.0) -> int:
         """Batch tokens that keep the step's predicted time within `step_fraction` x `aim_s`

@@ -63,6 +63,15 @@ class UnitQueues:
         oldest = next((r.arrival_s for r in self.prefilling.values() if not r.is_batch), math.inf)
         return min(oldest, self.waiting[0].arrival_s) if self.waiting else oldest
 
+    def batch_kv_usage(self) -> float:
+        """The share of the KV pool running batch requests hold (0 with none)."""
+        if not self.num_batch_running:
+            return 0.0
+        blocks = self.blocks
+        held = sum(blocks.num_blocks_of(r.request_id) for r in (*self.prefilling.values(), *self.decodes.reqs.values())
+                   if r.is_batch)
+        return held / blocks.num_blocks
+
     def expect_cached(self, req: Request) -> int:
         """With prefix caching: hash the prompt's blocks if the driver did not, and peek how many
         of its tokens the cache holds now (`req.expected_cached_tokens`). 0 without caching."""

@@ -53,7 +53,6 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.builder = BatchBuilder(config, self.q, self.stats)
         self.lane = BatchLane(config.batch, self.q, self.builder) if config.batch.enabled else None
-        self._batch_step = (0, 0)  # batch prompt tokens and batch decodes of the step in flight
         self.buckets = CudaGraphBuckets(config.cuda_graph_buckets)
         self.load = LoadEstimator(config.load_tau_s, config.service_prior, config.max_batch_size,
                                   config.num_kv_blocks * config.block_size)
@@ -109,22 +108,12 @@ class Scheduler:
         `num_waiting`, `queue_delay_s` and `kv_usage` are the interactive view (batch work
         yields its slots and KV); the batch class is reported apart."""
         q = self.q
-        batch_kv = self._batch_kv_usage()
+        batch_kv = self.q.batch_kv_usage()
         return UnitLoad(unit_id, self.num_running, len(self.waiting), self.predicted_queue_delay_s(now),
                         self.blocks.usage() - batch_kv, self.load.load(now), self.load.capacity_rps(),
                         self.regime.regime, batch_waiting=len(q.batch),
                         batch_backlog_tokens=q.batch.num_tokens + q.batch_prefill_remaining,
                         batch_running=q.num_batch_running, batch_kv_usage=batch_kv)
-
-    def _batch_kv_usage(self) -> float:
-        """The share of the KV pool running batch requests hold (0 with none)."""
-        q = self.q
-        if not q.num_batch_running:
-            return 0.0
-        blocks = q.blocks
-        held = sum(blocks.num_blocks_of(r.request_id) for r in (*q.prefilling.values(), *q.decodes.reqs.values())
-                   if r.is_batch)
-        return held / blocks.num_blocks
 
     def predicted_queue_delay_s(self, now: float, own_prompt_tokens: int = 0, corrected: bool = True) -> float:
         """Time before a request arriving now would start its prefill (with `own_prompt_tokens`:
@@ -142,7 +131,7 @@ class Scheduler:
         q = self.q
         running = self.num_running - q.num_batch_running  # batch requests yield their slots and KV
         busy = bool(self.waiting) or q.prefill_remaining > q.batch_prefill_remaining or running >= self._running_cap
-        return UnitState(len(self.waiting), len(self.decodes.reqs), self.blocks.usage() - self._batch_kv_usage(),
+        return UnitState(len(self.waiting), len(self.decodes.reqs), self.blocks.usage() - self.q.batch_kv_usage(),
                          max(0.0, now - req.arrival_s) + queue_delay_s, busy, self.regime.regime,
                          len(self.requests) - len(q.batch) - q.num_batch_running)
 
@@ -154,7 +143,7 @@ class Scheduler:
         self.stats.num_arrived += 1
         if req.is_batch:
             if self.lane is not None:
-                return self._add_batch(req, now)
+                return self.lane.add(req, now, self.load, self.admission, self.stats)
             req.service_class, req.is_batch = ServiceClass.INTERACTIVE, False  # no batch class: served as one
         # With prefix caching the predictions see the uncached tokens only (peeked, nothing taken).
         own = req.num_prompt_tokens - self.q.expect_cached(req)
@@ -169,20 +158,6 @@ class Scheduler:
         # Admission's prediction, and the raw model's (whose measured error trains the correction).
         req.queued_s, req.predicted_ttft_s = now, state.predicted_ttft_s
         req.raw_predicted_ttft_s = max(0.0, now - req.arrival_s) + raw
-        self.q.enqueue(req)
-        return None
-
-    def _add_batch(self, req: Request, now: float) -> Rejection | None:
-        """Queue a batch request: no TTFT rule applies, only the batch queue's bound."""
-        assert self.lane is not None
-        self.stats.num_batch_arrived += 1
-        rejection = self.admission.check_length(req) or self.lane.check(req, now, self.load)
-        if rejection is not None:
-            req.status, req.finished_s = RequestStatus.REJECTED, now
-            self.stats.rejected[rejection.reason] += 1
-            return rejection
-        req.queued_s = now
-        self.q.expect_cached(req)  # hashes its blocks: batch work shares the prefix cache too
         self.q.enqueue(req)
         return None
 
@@ -251,23 +226,16 @@ class Scheduler:
             elif not sched and decision.deadline_s is not None:
                 self.stats.record_wait(decision.reason, max(0.0, decision.deadline_s - now))
                 return WaitUntil(decision.deadline_s, decision.reason)
-        batch_tokens = 0
-        # Batch work takes no prefill while an interactive prompt is pending: the whole allowance
-        # (the decodes' banks) goes to interactive TTFT first.
-        if batch_work and not budget.exhausted and not waiting and q.prefill_remaining == q.batch_prefill_remaining:
-            assert lane is not None
-            sizer = self.sizer
-            limit = lane.token_allowance(self.load.service, sizer.aim_s if sizer else None, n_dec, prefill_tokens,
-                                         not sched, sizer.min_bank_s() if sizer else math.inf, load)
-            batch_tokens = lane.fill(now, budget, sched, prefill_ctx, new_reqs, limit,
-                                     self._running_cap - self.num_running)
-            prefill_tokens += batch_tokens
+        batch_tokens = 0 if lane is None else lane.fill_step(now, budget, sched, prefill_ctx, new_reqs, n_dec,
+                                                             prefill_tokens, self.sizer, self.load, load,
+                                                             self._running_cap - self.num_running)
+        prefill_tokens += batch_tokens
         if not sched:
             raise AssertionError(f"nothing schedulable with {len(waiting)} waiting and {self.num_running} running")
         if budget.tokens_left <= 0 < wanted and allowance < wanted and interactive_work:
             self.stats.tpot_limited_steps += 1
-        if q.num_batch_running:
-            self._batch_step = (batch_tokens, q.num_batch_running - sum(r.is_batch for r in prefilling.values()))
+        if lane is not None:
+            lane.started_step(batch_tokens)
         preempted = [*yielded, *preempted] if yielded else preempted
         padded = self.buckets.pad_step(n_dec, prefill_tokens)
         self._step_id += 1
@@ -287,13 +255,8 @@ class Scheduler:
             raise RuntimeError(f"on_step_done for step {plan.step_id}, which is not the step in flight")
         self._inflight = None
         self.load.on_step(plan.num_prefill_tokens, plan.num_decode_seqs, result.device_time_s)
-        if self._batch_step != (0, 0):
-            batch_tokens, batch_decodes = self._batch_step
-            self._batch_step = (0, 0)
-            self.stats.num_batch_generated_tokens += batch_decodes
-            self.stats.num_batch_prompt_tokens_computed += batch_tokens
-            if self.lane is not None:
-                self.lane.on_tokens(now, batch_tokens + batch_decodes)
+        if self.lane is not None:
+            self.lane.step_done(now, self.stats)
         if self._had_backlog:
             self.load.prefill.on_step(now, now - self._scheduled_at, plan.num_prefill_tokens)
         if self.sizer is not None:
@@ -320,7 +283,7 @@ class Scheduler:
         self._next_observe_s = now + OBSERVE_PERIOD_S
         self.last_load = load = self.load.load(now)
         self.regime.update(now, load, self.predicted_queue_delay_s(now) / self.config.admission.target_ttft_s,
-                           self.blocks.usage() - self._batch_kv_usage())
+                           self.blocks.usage() - self.q.batch_kv_usage())
 
     def _refresh_running_cap(self) -> None:
         cap = self.config.max_batch_size
