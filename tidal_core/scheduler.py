@@ -34,6 +34,7 @@ from tidal_core.request import FinishReason, Request, RequestStatus
 from tidal_core.snapshot import UnitLoad
 from tidal_core.stats import SchedulerStats
 from tidal_core.step_sizer import StepSizer
+from tidal_core.tpot_meter import TpotMeter
 
 IDLE = Idle()
 OBSERVE_PERIOD_S = 0.05
@@ -58,6 +59,7 @@ class Scheduler:
         adm, sizing = config.admission, config.step_sizing
         self.sizer = StepSizer(sizing, adm.target_tpot_s, now) if sizing.enabled and adm.target_tpot_s else None
         self.stats = SchedulerStats()
+        self.tpot = TpotMeter()
         self.last_load = 0.0
         self._prefill_cap = config.max_prefill_tokens or math.inf
         self._pressure_s = sizing.pressure_fraction * adm.target_ttft_s
@@ -100,7 +102,8 @@ class Scheduler:
     def snapshot(self, now: float, unit_id: str = "") -> UnitLoad:
         """This unit's state now, as routing, autoscaling, the simulator and metrics read it."""
         return UnitLoad(unit_id, self.num_running, len(self.waiting), self.predicted_queue_delay_s(now),
-                        self.blocks.usage(), self.load.load(now), self.load.capacity_rps(), self.regime.regime)
+                        self.blocks.usage(), self.load.load(now), self.load.capacity_rps(), self.regime.regime,
+                        tpot_s=self.tpot.tpot_s(now), target_tpot_s=self.config.admission.target_tpot_s or 0.0)
 
     def predicted_queue_delay_s(self, now: float, own_prompt_tokens: int = 0, corrected: bool = True) -> float:
         """Time before a request arriving now would start its prefill (with `own_prompt_tokens`:
@@ -221,6 +224,7 @@ class Scheduler:
             raise RuntimeError(f"on_step_done for step {plan.step_id}, which is not the step in flight")
         self._inflight = None
         self.load.on_step(plan.num_prefill_tokens, plan.num_decode_seqs, result.device_time_s)
+        self.tpot.on_step_done(now, plan.num_decode_seqs)
         if self._had_backlog:
             self.load.prefill.on_step(now, now - self._scheduled_at, plan.num_prefill_tokens)
         if self.sizer is not None:

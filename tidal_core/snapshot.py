@@ -27,7 +27,13 @@ class UnitLoad:
     what one more prompt token would add to a new request's predicted TTFT (0: not published),
     so a front end can add a request's own prefill to `queue_delay_s`, and `num_arrived` counts the
     requests it has received, so a front end can tell how many it sent are still on the way
-    (tidal_core/front_admission.py)."""
+    (tidal_core/front_admission.py). `tpot_s` is the unit's measured recent time per output token
+    (core/tpot_meter.py; 0: none measured) and `target_tpot_s` its TPOT target (0: none), the
+    autoscaler's hot-unit signal. The `batch_*` fields are the deferrable (batch class) part of
+    the unit's work, which the autoscaler leaves out of demand: `batch_load` is the part of
+    `load` batch arrivals make, `batch_waiting` / `batch_backlog_tokens` the batch queue
+    (requests, prompt and output tokens still to serve), `batch_running` batch requests in the
+    running batch."""
 
     unit_id: str
     num_running: int
@@ -40,6 +46,12 @@ class UnitLoad:
     healthy: bool = True
     prefill_s_per_token: float = 0.0
     num_arrived: int = 0  # requests the unit has received since it started (admitted or not)
+    tpot_s: float = 0.0
+    target_tpot_s: float = 0.0
+    batch_load: float = 0.0
+    batch_waiting: int = 0
+    batch_backlog_tokens: int = 0
+    batch_running: int = 0
 
     def to_stats(self) -> dict[str, float]:
         """The wire form: floats only (Serve's stats contract); the unit id is the replica's."""
@@ -53,6 +65,12 @@ class UnitLoad:
             "regime": float(REGIME_LEVEL[self.regime]),
             "prefill_s_per_token": self.prefill_s_per_token,
             "num_arrived": float(self.num_arrived),
+            "tpot_s": self.tpot_s,
+            "target_tpot_s": self.target_tpot_s,
+            "batch_load": self.batch_load,
+            "batch_waiting": float(self.batch_waiting),
+            "batch_backlog_tokens": float(self.batch_backlog_tokens),
+            "batch_running": float(self.batch_running),
         }
 
     @classmethod
@@ -63,7 +81,11 @@ class UnitLoad:
                    float(s.get("queue_delay_s", 0.0)), float(s.get("kv_usage", 0.0)), float(s.get("load", 0.0)),
                    float(s.get("capacity_rps", 0.0)), _REGIME_BY_LEVEL.get(int(s.get("regime", 0)), Regime.LIGHT),
                    prefill_s_per_token=float(s.get("prefill_s_per_token", 0.0)),
-                   num_arrived=int(s.get("num_arrived", 0)))
+                   num_arrived=int(s.get("num_arrived", 0)), tpot_s=float(s.get("tpot_s", 0.0)),
+                   target_tpot_s=float(s.get("target_tpot_s", 0.0)), batch_load=float(s.get("batch_load", 0.0)),
+                   batch_waiting=int(s.get("batch_waiting", 0)),
+                   batch_backlog_tokens=int(s.get("batch_backlog_tokens", 0)),
+                   batch_running=int(s.get("batch_running", 0)))
 
 
 STAT_KEYS: tuple[str, ...] = tuple(UnitLoad("", 0, 0, 0.0, 0.0).to_stats())
