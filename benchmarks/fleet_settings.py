@@ -58,10 +58,10 @@ def main() -> int:
                       units=args.peak_units)
     if args.from_hour or args.hours != 24.0:
         trace = trace.window(args.from_hour * 3600.0, (args.from_hour + args.hours) * 3600.0)
-        trace.name = f"{args.day}, hours {args.from_hour:g}-{args.from_hour + args.hours:g}"
     fixed_gpu_hours = args.fixed_units * cost.tp * trace.duration_s / 3600.0
     first_rate = float(np.count_nonzero(trace.arrival_s < 600.0)) / 600.0
-    print(f"{trace.name}: {len(trace)} requests; GPU-hours vs {args.fixed_units} fixed units "
+    print(f"{trace.name}, hours {args.from_hour:g}-{args.from_hour + args.hours:g}: {len(trace)} requests; "
+          f"GPU-hours vs {args.fixed_units} fixed units "
           f"({fixed_gpu_hours:.0f} GPU-hours)\n")
     print("| setting | start | SLO attainment | rejected | TTFT p99 (ms) | TPOT p99 (ms) | GPU-hours | vs fixed |")
     print("|---|---|---|---|---|---|---|---|", flush=True)

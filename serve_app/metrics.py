@@ -99,4 +99,5 @@ class UnitMetrics:
         m[M.LOAD.name].set(snap.load)
         m[M.CAPACITY.name].set(snap.capacity_rps)
         m[M.QUEUE_DELAY.name].set(snap.queue_delay_s)
+        m[M.MEASURED_TPOT.name].set(snap.tpot_s)
         m[M.PADDING_WASTE.name].set(sched.buckets.padding_waste())
