@@ -8,7 +8,8 @@ The fleet part of `tidal study` (docs/day-in-the-life.md §4) runs one setting, 
 sharp day peaking at three units' measured capacity, seed 0, adaptive policy in every unit, A100
 Llama-70B TP8 cost model) so the choice of defaults can be checked or redone. Each setting is a
 JSON object of `AutoscaleConfig` fields (`{"hot_tpot_fraction": null}` is the arrival-rate-only
-autoscaler); a full day takes about twenty minutes on one core. `--from-hour` and `--hours`
+autoscaler, `{"min_units": 5, "max_units": 5}` a fixed fleet of five); a full day takes five to
+ten minutes on one core. `--from-hour` and `--hours`
 cut a window out of the day (e.g. 5..11, the morning ramp) for a quicker look; the fleet then
 starts with the units the window's first ten minutes ask for, as the study's does at midnight.
 GPU-hours are also given against a fixed fleet of `--fixed-units` units over the same span
@@ -68,7 +69,7 @@ def main() -> int:
     for setting in args.setting or DEFAULT_SETTINGS:
         fields = json.loads(setting)
         config = AutoscaleConfig(**{"min_units": 1, "max_units": 4 * args.peak_units, **fields})
-        start = args.start_units or max(1, min(config.max_units, math.ceil(
+        start = args.start_units or max(config.min_units, min(config.max_units, math.ceil(
             first_rate / (config.target_load * unit_capacity(cost, base)))))
         spec = RunSpec(trace, base, cost, Slo(), units=start, seed=args.seed, autoscale=config)
         s = run_policy(spec, "adaptive", progress=False).summary

@@ -77,3 +77,17 @@ def test_serve_bounds_clamp_the_count() -> None:
     hot = [unit(str(i), 1.5, tpot_ms=95.0) for i in range(3)]
     n, _ = TidalAutoscalingPolicy(**KWARGS)(context(hot, 3, max_replicas=4))
     assert n == 4
+
+
+def test_the_prod_config_s_policy_kwargs_are_core_autoscale_fields() -> None:
+    """A misspelt or out-of-range key in configs/prod.yaml fails here, not in the controller."""
+    from pathlib import Path
+
+    import yaml
+
+    prod = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "prod.yaml").read_text())
+    (unit_dep,) = [d for app in prod["applications"] for d in app["deployments"] if "autoscaling_config" in d]
+    policy = unit_dep["autoscaling_config"]["policy"]
+    assert policy["policy_function"] == "serve_app.autoscaling:TidalAutoscalingPolicy"
+    built = TidalAutoscalingPolicy(**policy["policy_kwargs"])
+    assert built.config.hot_tpot_fraction is not None and built.config.scale_for_batch is False
