@@ -57,8 +57,11 @@ def _latency(t: Targets) -> list[Panel]:
         ts("Time to first token", f"p50 and p99 of TTFT (arrival to first token). Dashed: the {t.ttft_s:g} s "
            "target (args.scheduler.admission.target_ttft_s).", _quantiles(M.TTFT, "TTFT"), "s",
            lines=(t.ttft_s,)),
-        ts("Inter-token latency", "p50 and p99 of the gap between output tokens. Dashed: the TPOT target "
-           "(admission.target_tpot_s).", _quantiles(M.ITL, "ITL"), "s", lines=tpot_lines),
+        ts("Inter-token latency", "p50 and p99 of the gap between output tokens, and the largest unit's "
+           "measured recent TPOT (what the autoscaler reads: a unit near the target asks for one more). "
+           "Dashed: the TPOT target (admission.target_tpot_s).",
+           [*_quantiles(M.ITL, "ITL"), Target(Q.gauge(M.MEASURED_TPOT, group=()), "measured TPOT (max unit)")],
+           "s", lines=tpot_lines),
         ts("End-to-end latency", "p50 and p99 from arrival to the last token, completed requests.",
            _quantiles(M.E2E, "E2E"), "s", width=8),
         ts("Queue time and predicted delay", "p50/p99 of arrival-to-admission, and the largest predicted "

@@ -3,8 +3,10 @@
 Owns: `TidalAutoscalingPolicy`, a class-callable for `autoscaling_config.policy` (Serve
 instantiates it once in the controller with `policy_kwargs`, then calls it about every 0.1 s
 with an `AutoscalingContext`). Each ServingUnit replica reports `record_autoscaling_stats` (load,
-capacity, queue delay, KV usage, regime); this adapter turns them into `UnitLoad`s and calls
-`tidal_core.decide`. The unit bounds are Serve's own `min_replicas`/`max_replicas`
+capacity, queue delay, KV usage, regime, measured TPOT and its target, batch backlog: the
+`UnitLoad` wire form); this adapter turns them into `UnitLoad`s and calls `tidal_core.decide`,
+the decision the simulator's fleet makes, so both scale on the same signals (arrival demand,
+hot units' step time, interactive demand only). The unit bounds are Serve's own `min_replicas`/`max_replicas`
 (capacity-adjusted), so they live in one place: the deployment's `autoscaling_config`.
 """
 
@@ -32,7 +34,7 @@ class TidalAutoscalingPolicy:
             units.append(UnitLoad.from_stats(str(replica_id), stats or None))
         config = dataclasses.replace(self.config, min_units=max(1, ctx.capacity_adjusted_min_replicas),
                                      max_units=max(1, ctx.capacity_adjusted_max_replicas))
-        now = ctx.current_time or time.time()
+        now = ctx.current_time if ctx.current_time is not None else time.time()
         obs = AutoscaleObservation(now, ctx.current_num_replicas, [u for u in units if u.capacity_rps > 0])
         target, state = decide(obs, AutoscaleState.from_dict(ctx.policy_state), config)
         self._export(ctx.deployment_name, target, state.last_demand)

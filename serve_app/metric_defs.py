@@ -71,6 +71,9 @@ LOAD = MetricDef("tidal_load", "gauge", "Utilisation estimate: arrival rate over
 CAPACITY = MetricDef("tidal_capacity_rps", "gauge", "Measured service capacity of the unit, requests/s")
 QUEUE_DELAY = MetricDef("tidal_predicted_queue_delay_seconds", "gauge",
                         "Predicted queueing delay of a new arrival (prefill backlog drain time)")
+MEASURED_TPOT = MetricDef("tidal_measured_tpot_seconds", "gauge",
+                          "Recent mean time per output token the unit measured (0: no decodes lately); the "
+                          "autoscaler's hot-unit signal")
 PADDING_WASTE = MetricDef("tidal_cuda_graph_padding_waste", "gauge",
                           "Fraction of CUDA-graph batch slots that were padding, since start")
 BATCH_WAITING = MetricDef("tidal_batch_backlog_requests", "gauge",
@@ -125,8 +128,8 @@ AUTH_FAILURES = MetricDef("tidal_auth_failures", "counter",
 
 ALL_METRICS: tuple[MetricDef, ...] = (
     TTFT, ITL, E2E, QUEUE_TIME, MICROWAIT, BATCH_SIZE, STEP_TIME, TTFT_PREDICTION,
-    RUNNING, WAITING, KV_USAGE, REGIME, LOAD, CAPACITY, QUEUE_DELAY, PADDING_WASTE, UNITS_DESIRED, UNITS_DEMAND,
-    BATCH_WAITING, BATCH_BACKLOG_TOKENS, BATCH_RUNNING,
+    RUNNING, WAITING, KV_USAGE, REGIME, LOAD, CAPACITY, QUEUE_DELAY, MEASURED_TPOT, PADDING_WASTE, UNITS_DESIRED,
+    UNITS_DEMAND, BATCH_WAITING, BATCH_BACKLOG_TOKENS, BATCH_RUNNING,
     DISPATCHES, REJECTIONS, PREEMPTIONS, FINISHED, PROMPT_TOKENS, GENERATION_TOKENS, ARRIVALS, ENGINE_ERRORS,
     PREFIX_QUERIED_TOKENS, PREFIX_HIT_TOKENS, PREFIX_QUERIED_REQUESTS, PREFIX_HIT_REQUESTS,
     BATCH_TOKENS,

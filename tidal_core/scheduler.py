@@ -37,6 +37,7 @@ from tidal_core.service_class import ServiceClass
 from tidal_core.snapshot import UnitLoad
 from tidal_core.stats import SchedulerStats
 from tidal_core.step_sizer import StepSizer
+from tidal_core.tpot_meter import TpotMeter
 
 IDLE = Idle()
 OBSERVE_PERIOD_S = 0.05
@@ -62,6 +63,7 @@ class Scheduler:
         self.admission = AdmissionController(config.admission, config.max_model_len)
         adm, sizing = config.admission, config.step_sizing
         self.sizer = StepSizer(sizing, adm.target_tpot_s, now) if sizing.enabled and adm.target_tpot_s else None
+        self.tpot = TpotMeter()
         self.last_load = 0.0
         self._prefill_cap = config.max_prefill_tokens or math.inf
         self._pressure_s, self._borrow_over = sizing.pressure_fraction * adm.target_ttft_s, sizing.overload_borrow
@@ -113,7 +115,8 @@ class Scheduler:
                         self.blocks.usage() - batch_kv, self.load.load(now), self.load.capacity_rps(),
                         self.regime.regime, batch_waiting=len(q.batch),
                         batch_backlog_tokens=q.batch.num_tokens + q.batch_prefill_remaining,
-                        batch_running=q.num_batch_running, batch_kv_usage=batch_kv)
+                        batch_running=q.num_batch_running, batch_kv_usage=batch_kv,
+                        tpot_s=self.tpot.tpot_s(now), target_tpot_s=self.config.admission.target_tpot_s or 0.0)
 
     def predicted_queue_delay_s(self, now: float, own_prompt_tokens: int = 0, corrected: bool = True) -> float:
         """Time before a request arriving now would start its prefill (with `own_prompt_tokens`:
@@ -257,6 +260,7 @@ class Scheduler:
         self.load.on_step(plan.num_prefill_tokens, plan.num_decode_seqs, result.device_time_s)
         if self.lane is not None:
             self.lane.step_done(now, self.stats)
+        self.tpot.on_step_done(now, plan.num_decode_seqs)
         if self._had_backlog:
             self.load.prefill.on_step(now, now - self._scheduled_at, plan.num_prefill_tokens)
         if self.sizer is not None:

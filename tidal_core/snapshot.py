@@ -27,14 +27,17 @@ class UnitLoad:
     what one more prompt token would add to a new request's predicted TTFT (0: not published),
     so a front end can add a request's own prefill to `queue_delay_s`, and `num_arrived` counts the
     requests it has received, so a front end can tell how many it sent are still on the way
-    (tidal_core/front_admission.py).
+    (tidal_core/front_admission.py). `tpot_s` is the unit's measured recent time per output token
+    (core/tpot_meter.py; 0: none measured) and `target_tpot_s` its TPOT target (0: none), the
+    autoscaler's hot-unit signal.
 
     The batch class (core/batch_lane.py) is reported apart so an autoscaler can count
     interactive demand only: `num_waiting`, `queue_delay_s` and `kv_usage` are interactive
     (batch work yields its slots and KV to them); `num_running` is every running request, of
     which `batch_running` are batch; `batch_waiting` requests (`batch_backlog_tokens` prompt
     tokens, queued or not yet computed) wait for headroom; `batch_kv_usage` is the share of the
-    KV pool batch requests hold."""
+    KV pool batch requests hold; `batch_load` is the part of `load` batch arrivals make (0 while
+    the load estimate counts interactive arrivals only, as the scheduler's does)."""
 
     unit_id: str
     num_running: int
@@ -47,6 +50,9 @@ class UnitLoad:
     healthy: bool = True
     prefill_s_per_token: float = 0.0
     num_arrived: int = 0  # requests the unit has received since it started (admitted or not)
+    tpot_s: float = 0.0
+    target_tpot_s: float = 0.0
+    batch_load: float = 0.0
     batch_waiting: int = 0
     batch_backlog_tokens: int = 0
     batch_running: int = 0
@@ -64,6 +70,9 @@ class UnitLoad:
             "regime": float(REGIME_LEVEL[self.regime]),
             "prefill_s_per_token": self.prefill_s_per_token,
             "num_arrived": float(self.num_arrived),
+            "tpot_s": self.tpot_s,
+            "target_tpot_s": self.target_tpot_s,
+            "batch_load": self.batch_load,
             "batch_waiting": float(self.batch_waiting),
             "batch_backlog_tokens": float(self.batch_backlog_tokens),
             "batch_running": float(self.batch_running),
@@ -78,7 +87,9 @@ class UnitLoad:
                    float(s.get("queue_delay_s", 0.0)), float(s.get("kv_usage", 0.0)), float(s.get("load", 0.0)),
                    float(s.get("capacity_rps", 0.0)), _REGIME_BY_LEVEL.get(int(s.get("regime", 0)), Regime.LIGHT),
                    prefill_s_per_token=float(s.get("prefill_s_per_token", 0.0)),
-                   num_arrived=int(s.get("num_arrived", 0)), batch_waiting=int(s.get("batch_waiting", 0)),
+                   num_arrived=int(s.get("num_arrived", 0)), tpot_s=float(s.get("tpot_s", 0.0)),
+                   target_tpot_s=float(s.get("target_tpot_s", 0.0)), batch_load=float(s.get("batch_load", 0.0)),
+                   batch_waiting=int(s.get("batch_waiting", 0)),
                    batch_backlog_tokens=int(s.get("batch_backlog_tokens", 0)),
                    batch_running=int(s.get("batch_running", 0)), batch_kv_usage=float(s.get("batch_kv_usage", 0.0)))
 

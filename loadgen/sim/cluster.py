@@ -109,6 +109,7 @@ class Fleet:
             "load": first.load.load(now) if first else 0.0,
             "regime": first.current_regime.value if first else "none",
             "demand_units": self.state.last_demand,
+            "tpot_ms_max": 1000.0 * max((u.sched.tpot.tpot_s(now) for u in serving), default=0.0),
         }
 
     def close(self, end: float) -> list[tuple[float, float]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -125,3 +126,21 @@ def test_fleet_study_compares_with_the_smallest_fixed_fleet_that_meets_the_goal(
     # GPU-hours are stated relative to the last fixed fleet tried.
     assert float(fixed[-1][col["gpu_hours_vs_fixed"]]) == 1.0
     assert (tmp_path / "fleet" / "autoscaled" / "summary.json").is_file()
+
+
+def test_the_fleet_scales_on_a_hot_unit_s_step_time_not_only_its_arrival_rate(cost: CostModel) -> None:
+    """At 0.7 of its saturated capacity one unit reads under the 1.0 target load, so the arrival
+    rate adds a unit only once a burst tips it into OVERLOAD (about 9 minutes in); its decode
+    steps run near the TPOT target from the start, so the step-time signal adds it within
+    minutes, and the earlier unit shows in the SLO attainment."""
+    from loadgen.sim.study import constant_trace
+
+    steady = constant_trace(2.0, 12.0, seed=5, max_len=8192)
+    cfg = AutoscaleConfig(min_units=1, max_units=3, target_load=1.0, smoothing_s=30.0, lead_s=0.0,
+                          upscale_delay_s=60.0, downscale_delay_s=1e6, hot_tpot_fraction=0.75, cool_tpot_fraction=0.5)
+    rate_only = run(cost, steady, "adaptive", autoscale=dataclasses.replace(cfg, hot_tpot_fraction=None),
+                    provisioning_s=60.0)
+    with_tpot = run(cost, steady, "adaptive", autoscale=cfg, provisioning_s=60.0)
+    one_unit = cost.tp * 12.0 / 60.0
+    assert rate_only["gpu_hours"] < 1.5 * one_unit < with_tpot["gpu_hours"] <= 2 * one_unit
+    assert with_tpot["slo_attainment"] > rate_only["slo_attainment"] + 0.03
