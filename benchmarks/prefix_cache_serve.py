@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import subprocess
 import time
@@ -30,7 +29,7 @@ import openai
 import yaml
 
 from benchmarks.system_prompts import system_prompt
-from benchmarks.vs_vllm_cpu import ROOT, first_answer, tidal_server
+from benchmarks.vs_vllm_cpu import ROOT, first_answer, stop_server, tidal_server
 
 MODEL = "smollm2-135m-instruct"
 QUESTIONS = ("Can a refund be escalated?", "Who approves a replacement?")
@@ -111,12 +110,7 @@ def with_server(work: Path, config: Path, cache: bool, prompts: list[int], max_t
             first_answer(server.url, 900, proc)
             rows = run_sequence(server.url, prompts, max_tokens)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
+            stop_server(proc)
     return {"enable_prefix_caching": cache, "rows": rows, "summary": summary(rows)}
 
 

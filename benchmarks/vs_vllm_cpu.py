@@ -131,12 +131,17 @@ def measure(server: Server, prompts: dict[int, list[Any]], requests_per_user: in
                       f"CPU ms/token {rows[-1]['cpu_ms_per_token']}", flush=True)
             return {"server": server.name, "startup_to_first_answer_s": round(startup_s, 1), "rows": rows}
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
+            stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 90 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 def ratios(tidal: dict[str, Any], vllm: dict[str, Any]) -> list[dict[str, Any]]:

@@ -119,23 +119,8 @@ def test_random_traffic_with_shared_prefixes_keeps_every_invariant(cfg: Schedule
                                                                     seed: int) -> None:
     h = CachingHarness(cfg, seed)
     for op in ops:
-        kind = op[0]
-        if kind == "arrive":
-            h.arrive(*op[1:])
-        elif kind == "burst":
-            h.burst(*op[1:])
-        elif kind == "abort":
-            h.abort(op[1])
-        elif kind == "step":
-            h.stop_prob = op[1]
-            h.step()
-        else:
-            h.now += op[1]
-        h.check()
-    for _ in range(20_000):
-        if not h.step():
-            break
-        h.check()
+        h.apply(op)
+    h.drain(20_000)
     assert not h.s.has_unfinished
     assert sorted(h.ended) == sorted(h.accepted), "every accepted request ends exactly once"
     assert h.s.blocks.num_free_blocks == h.s.blocks.num_blocks, "KV leaked (cached blocks count as free)"

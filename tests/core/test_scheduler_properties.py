@@ -141,6 +141,30 @@ class Harness:
             assert r.num_tokens <= cfg.max_model_len
         return True
 
+    def apply(self, op: tuple) -> None:  # type: ignore[type-arg]
+        """One generated operation (an arrival, a burst, an abort, a step, time passing), then check."""
+        kind = op[0]
+        if kind == "arrive":
+            self.arrive(*op[1:])
+        elif kind == "burst":
+            self.burst(*op[1:])
+        elif kind == "abort":
+            self.abort(op[1])
+        elif kind == "step":
+            self.stop_prob = op[1]
+            self.step()
+            self.saw_regimes.add(self.s.current_regime.value)
+        else:
+            self.now += op[1]
+        self.check()
+
+    def drain(self, max_steps: int) -> None:
+        """Step until nothing is left (at most `max_steps`), checking after every step."""
+        for _ in range(max_steps):
+            if not self.step():
+                break
+            self.check()
+
     def check(self) -> None:
         self.s.check_integrity()
         assert len(self.ended) == len(set(self.ended)), "a request ended twice"
@@ -152,24 +176,8 @@ class Harness:
 def test_random_traffic_keeps_every_invariant(cfg: SchedulerConfig, ops: list[tuple], seed: int) -> None:
     h = Harness(cfg, seed)
     for op in ops:
-        kind = op[0]
-        if kind == "arrive":
-            h.arrive(*op[1:])
-        elif kind == "burst":
-            h.burst(*op[1:])
-        elif kind == "abort":
-            h.abort(op[1])
-        elif kind == "step":
-            h.stop_prob = op[1]
-            h.step()
-            h.saw_regimes.add(h.s.current_regime.value)
-        else:
-            h.now += op[1]
-        h.check()
-    for _ in range(20_000):
-        if not h.step():
-            break
-        h.check()
+        h.apply(op)
+    h.drain(20_000)
     assert not h.s.has_unfinished
     assert sorted(h.ended) == sorted(h.accepted), "every accepted request ends exactly once"
     assert h.s.blocks.num_free_blocks == h.s.blocks.num_blocks, "KV leaked"
