@@ -37,8 +37,8 @@ GAP_RETRY_S = 15.0
 TRICKLE: Counter[str] = Counter()  # the trickle's outcomes (status code or error), for failure messages
 
 EMPTY_PANEL_QUERIES = {
-    ("Preemptions by reason", "{{reason}}"): "no request is preempted: the simulated A100 KV pool is far larger "
-                                             "than a short test fills",
+    ("Preemptions by reason", "{{class}} {{reason}}"): "no request is preempted: the simulated A100 KV pool is "
+                                                       "far larger than a short test fills",
     ("Engine errors by kind", "{{unit}} {{kind}}"): "no engine fails in a healthy run (the counter has no series "
                                                     "until the first error)",
     ("Units and autoscaling", "desired (policy)"): "the test configs run fixed num_replicas, so the tidalserve "
@@ -116,6 +116,11 @@ def _trickle(base: str, stop: threading.Event, outcomes: Counter[str]) -> None:
                 r = client.post(f"{base}/sim/v1/completions", json={
                     "model": SIM_MODEL, "prompt": "word " * 200, "max_tokens": 8, "ignore_eos": True})
                 outcomes[str(r.status_code)] += 1
+                # A batch-class request (service_tier flex) moves the batch class's gauges and counter.
+                r = client.post(f"{base}/sim/v1/completions", json={
+                    "model": SIM_MODEL, "prompt": "word " * 100, "max_tokens": 4, "ignore_eos": True,
+                    "service_tier": "flex"})
+                outcomes[f"flex {r.status_code}"] += 1
                 # The keyed application's per-key counters and its 401 counter move too.
                 for key in (ENV_KEY, "tk-not-a-key"):
                     r = client.post(f"{base}/keyed/v1/completions", headers={"Authorization": f"Bearer {key}"},
