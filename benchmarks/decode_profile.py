@@ -1,0 +1,64 @@
+"""Where one SmolLM2 decode step spends its CPU: cProfile of the offline engine at a given batch.
+
+`LLMEngine` (core `continuous` preset over the paged-KV runner, TP=1, one torch thread) with
+`--batch` requests of `--prompt` tokens each; after their prefills, `--steps` decode steps are
+profiled. Prints wall and CPU time per step and the functions with the most own time, and the
+share of the profiled time spent in `torch._C._nn.linear` (the model's matmuls).
+
+    python benchmarks/decode_profile.py [--batch 16] [--prompt 128] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--top", type=int, default=12)
+    args = ap.parse_args()
+    from actors.executor import LocalExecutor
+    from actors.llm_engine import LLMEngine, scheduler_config
+    from actors.worker_setup import EngineSpec
+    from tidal_core import SamplingParams
+
+    ex = LocalExecutor(EngineSpec(max_model_len=1024, kv_cache_gb=1.0, torch_threads=1))
+    cfg = scheduler_config(ex.info, "continuous", max_batch_size=64, max_num_batched_tokens=4096)
+    LLMEngine(ex, ex.info, None, cfg).generate([[1] * 16], SamplingParams(max_tokens=4))  # warm-up
+    engine = LLMEngine(ex, ex.info, None, cfg)
+    for i in range(args.batch):
+        engine.add_request([100 + i] * args.prompt,
+                           SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True))
+    while engine.scheduler.num_waiting or engine.scheduler.prefilling:  # run the prefills
+        engine.step()
+    prof, steps = cProfile.Profile(), 0
+    t0, c0 = time.perf_counter(), time.process_time()
+    prof.enable()
+    while engine.has_unfinished and steps < args.steps:
+        engine.step()
+        steps += 1
+    prof.disable()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    stats = pstats.Stats(prof)
+    total = sum(v[2] for v in stats.stats.values())  # type: ignore[attr-defined]
+    linear = sum(v[2] for k, v in stats.stats.items() if k[2] == "<built-in method torch._C._nn.linear>")  # type: ignore[attr-defined]
+    print(f"batch {args.batch}, {steps} decode steps: wall {wall / steps * 1000:.1f} ms/step, "
+          f"CPU {cpu / steps * 1000:.1f} ms/step; linear {linear / total:.0%} of the profiled own time")
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
+    print(out.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
