@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,14 @@ def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
     return token
 
 
+def presented_key(headers: Iterable[tuple[bytes, bytes]], lookup: Callable[[bytes], str | None]) -> str | None:
+    """The id of the key an `Authorization: Bearer` header carries, or None. The lookup runs even
+    without a token, so a missing header costs the same work as a wrong key."""
+    token = bearer_token(headers)
+    key = lookup(token if token is not None else b"")
+    return None if token is None else key
+
+
 def _route_path(scope: Scope) -> str:
     path, root = str(scope.get("path", "")), str(scope.get("root_path", ""))
     return path[len(root):] if root and path.startswith(root) else path
@@ -79,9 +87,9 @@ class ApiKeyGate:
         """(key id, error, extra headers): (None, None, {}) for an open path."""
         if _route_path(scope) in self.open_paths:
             return None, None, {}
-        token = bearer_token(scope.get("headers") or ())
-        key = self.store.lookup(token if token is not None else b"", self.usage.clock())
-        if token is None or key is None:
+        now = self.usage.clock()
+        key = presented_key(scope.get("headers") or (), lambda token: self.store.lookup(token, now))
+        if key is None:
             self.usage.auth_failed()
             return None, INVALID_KEY, UNAUTHORIZED_HEADERS
         verdict = self.usage.admit(key)

@@ -41,7 +41,7 @@ from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve_app.api_keys import KeySet
-from serve_app.auth import INVALID_KEY, UNAUTHORIZED_HEADERS, bearer_token
+from serve_app.auth import INVALID_KEY, UNAUTHORIZED_HEADERS, presented_key
 from serve_app.front_gate import REFUSED_BY, FrontGate, gate_headers
 from serve_app.openai.http_limits import JSON_ENDPOINTS, error_response
 
@@ -75,13 +75,11 @@ class ProxyGateMiddleware:
             await self.app(scope, receive, send)
             return
         name, gate = found
-        if (keys := self.keys.get(name)) is not None:  # the same work and answer as the Ingress's check
-            token = bearer_token(scope.get("headers") or ())
-            key = keys.lookup(token if token is not None else b"")
-            if token is None or key is None:
-                self._count_auth_failure()
-                await error_response(INVALID_KEY, UNAUTHORIZED_HEADERS)(scope, receive, send)
-                return
+        keys = self.keys.get(name)  # with keys: the same work and answer as the Ingress's check
+        if keys is not None and presented_key(scope.get("headers") or (), keys.lookup) is None:
+            self._count_auth_failure()
+            await error_response(INVALID_KEY, UNAUTHORIZED_HEADERS)(scope, receive, send)
+            return
         length = Headers(scope=scope).get("content-length", "")
         err = gate.refusal(int(length) if length.isdigit() else 0)
         if err is not None:
