@@ -24,6 +24,7 @@ from actors.cuda_graphs import CudaGraphRunner
 from actors.model_runner import ModelRunner
 from actors.models import LlamaForCausalLM, ModelConfig, TPContext, from_hf_config
 from actors.models.attention import BACKENDS
+from actors.models.cpu_gemm import prepare_cpu_gemm
 from actors.paged_attention import HAVE_TRITON
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,6 +50,7 @@ class EngineSpec:
     random_config: dict[str, Any] | None = None  # build this HF config with random weights
     seed: int | None = None
     torch_threads: int | None = None  # default: (cores - 1) split over the TP ranks, at least 1
+    cpu_gemm: bool = True  # CPU float32: linears through pre-arranged weight layouts (models/cpu_gemm.py)
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -119,6 +121,8 @@ class WorkerBuilder:
             model_loader.random_weights(model, seed=spec.seed or 0)
         else:
             model_loader.load_weights(model, self.path)
+        if spec.cpu_gemm:
+            prepare_cpu_gemm(model)
         self.model, self.cfg = model, cfg
         blocks = kv_cache.blocks_for_budget(self.kv_spec(), self._kv_budget_bytes(), spec.max_num_blocks)
         eos = model_loader.eos_token_ids(self.path, cfg) if self.path else cfg.eos_token_ids

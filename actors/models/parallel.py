@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from actors.models.cpu_gemm import CpuWeights, linear
+
 
 @dataclass(frozen=True, slots=True)
 class TPContext:
@@ -76,9 +78,13 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_local, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_local, dtype=dtype), requires_grad=False) if bias else None
+        self.cpu_layouts: CpuWeights | None = None  # set by cpu_gemm.prepare_cpu_gemm after loading
+
+    def cpu_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.weight, self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.cpu_layouts)
 
 
 class RowParallelLinear(nn.Module):
@@ -88,9 +94,13 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, in_local, dtype=dtype), requires_grad=False)
+        self.cpu_layouts: CpuWeights | None = None
+
+    def cpu_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.weight, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(linear(x, self.weight, None, self.cpu_layouts))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -127,12 +137,16 @@ class ParallelLMHead(nn.Module):
         self.tied = tied
         if not tied:
             self.weight = nn.Parameter(torch.zeros(embedding.padded, hidden, dtype=dtype), requires_grad=False)
+        self.cpu_layouts: CpuWeights | None = None
+
+    def cpu_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.shard_weight(), None
 
     def shard_weight(self) -> torch.Tensor:
         return self.embedding.weight if self.tied else self.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden, self.shard_weight())
+        logits = linear(hidden, self.shard_weight(), None, self.cpu_layouts)
         vocab = self.embedding.vocab_size
         if self.tp.size == 1:
             return logits[:, :vocab] if logits.shape[1] != vocab else logits

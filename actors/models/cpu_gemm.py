@@ -1,0 +1,67 @@
+"""Linear layers on CPU with weights laid out for the shapes a serving step has.
+
+Owns: `CpuWeights` (one weight matrix in two CPU layouts, picked per call by the number of rows)
+and `prepare_cpu_gemm(model)` (gives every linear of a loaded model its `CpuWeights`).
+
+Why: `F.linear` on a plain `[out, in]` float32 weight is slow at the row counts a decode step
+has. Measured on the development box (one AVX2 core, the 576 x 49152 LM head of SmolLM2):
+1 row 17 ms, 16 rows 72 ms, against 9 ms with a transposed `[in, out]` copy at one row and
+36-38 ms with oneDNN's pre-packed layout (`torch.ops.mkldnn._reorder_linear_weight`) at 4-128
+rows; the layer matmuls gain 10-45% the same way (benchmarks/cpu_gemm.py). So a single-row call
+(one decode, the common single-stream case) multiplies by the transposed copy, every larger one
+by the packed weight. Both are copies made once after loading; the model's own parameters stay
+as they are (the loader, TP sharding and the tests read them), so a CPU model holds its linear
+weights three times. Outputs match `F.linear` to float32 rounding (tests/actors/test_cpu_gemm.py).
+
+Used only on CPU, float32, with oneDNN available; anything else keeps `F.linear`.
+
+Must not import: ray, serve_app.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CpuWeights:
+    __slots__ = ("bias", "packed", "transposed")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        w = weight.detach()
+        self.transposed = w.t().contiguous()  # [in, out]: a one-row product streams it once, in order
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)  # oneDNN's blocked layout
+        self.bias = None if bias is None else bias.detach()
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and x.dim() == 2:
+            out = x @ self.transposed
+            return out if self.bias is None else out.add_(self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def supported(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and torch.backends.mkldnn.is_available())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cpu: CpuWeights | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, through the CPU layouts when the module has them."""
+    if cpu is not None and x.dim() == 2:
+        return cpu.linear(x)
+    return F.linear(x, weight, bias)
+
+
+def prepare_cpu_gemm(model: nn.Module) -> int:
+    """Give every module with a `cpu_weights()` hook its CPU layouts (call after the weights are
+    loaded, and again if they change). Returns how many linears were prepared; 0 off CPU."""
+    count = 0
+    for module in model.modules():
+        hook = getattr(module, "cpu_weights", None)
+        if hook is None:
+            continue
+        weight, bias = hook()
+        module.cpu_layouts = CpuWeights(weight, bias) if supported(weight) else None
+        count += module.cpu_layouts is not None
+    return count
