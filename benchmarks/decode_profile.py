@@ -3,7 +3,8 @@
 `LLMEngine` (core `continuous` preset over the paged-KV runner, TP=1, one torch thread) with
 `--batch` requests of `--prompt` tokens each; after their prefills, `--steps` decode steps are
 profiled. Prints wall and CPU time per step and the functions with the most own time, and the
-share of the profiled time spent in `torch._C._nn.linear` (the model's matmuls).
+share of the profiled time spent in the model's matmuls (`torch._C._nn.linear`, or
+actors/models/cpu_gemm.py's layouts when `engine.cpu_gemm` is on, the default).
 
     python benchmarks/decode_profile.py [--batch 16] [--prompt 128] [--steps 30]
 """
@@ -51,7 +52,9 @@ def main() -> int:
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     stats = pstats.Stats(prof)
     total = sum(v[2] for v in stats.stats.values())  # type: ignore[attr-defined]
-    linear = sum(v[2] for k, v in stats.stats.items() if k[2] == "<built-in method torch._C._nn.linear>")  # type: ignore[attr-defined]
+    matmuls = ("<built-in method torch._C._nn.linear>", "linear")  # F.linear, or cpu_gemm's layouts
+    linear = sum(v[2] for k, v in stats.stats.items()  # type: ignore[attr-defined]
+                 if k[2] == matmuls[0] or (k[2] == matmuls[1] and k[0].endswith("cpu_gemm.py")))
     print(f"batch {args.batch}, {steps} decode steps: wall {wall / steps * 1000:.1f} ms/step, "
           f"CPU {cpu / steps * 1000:.1f} ms/step; linear {linear / total:.0%} of the profiled own time")
     out = io.StringIO()
