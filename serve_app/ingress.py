@@ -42,6 +42,7 @@ from starlette.types import Receive, Scope, Send
 from serve_app.auth import ApiKeyGate, ApiKeyMiddleware, document_auth, gate_from_args
 from serve_app.front_gate import FrontGate, FrontGateMiddleware, gate_headers
 from serve_app.key_usage import MeteredEngine
+from serve_app.memory_trim import start_trimming
 from serve_app.openai.errors import OpenAIError, from_engine_error, server_error, unavailable
 from serve_app.openai.http_limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, error_response
 from serve_app.openai.requests import ChatCompletionRequest, CompletionRequest
@@ -383,6 +384,7 @@ class Ingress:
             engine = MeteredEngine(engine, self.auth_gate.usage)
         self.server = OpenAIServer(engine, tokenizer, model_aliases=aliases, request_timeout_s=timeout,
                                    sampling_defaults=sampling)
+        self._trim_task = start_trimming()  # freed heap back to the OS (serve_app/memory_trim.py)
         logger.info("ingress ready: model %r (aliases %s), max_model_len %d, sampling defaults %s", info.model_id,
                     aliases, info.max_model_len, sampling.describe())
 

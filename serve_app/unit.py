@@ -22,6 +22,7 @@ from ray import serve
 
 from serve_app.config_loader import AppArgs, EngineArgs, scheduler_config
 from serve_app.engine_loop import EngineLoop, StreamCoalescing
+from serve_app.memory_trim import start_trimming
 from serve_app.metrics import UnitMetrics, prefix_cache_counters
 from serve_app.unit_api import GenerateChunk, GenerateRequest, ModelInfo
 from tidal_core import Scheduler, UnitLoad
@@ -104,6 +105,7 @@ class ServingUnit:
             tracemalloc.start(int(os.environ["TIDAL_TRACEMALLOC"]))
         # Start at once, not on the first request: a new idle unit must already report its
         # gauges (dashboards, the unit-down alert) and its stats (routing, autoscaling).
+        self._trim_task = start_trimming()  # freed heap back to the OS (serve_app/memory_trim.py)
         self._ensure_background()
         log.info("unit %s ready: policy %s, %d KV blocks of %d, max_model_len %d", self.unit, cfg.policy,
                  cfg.num_kv_blocks, cfg.block_size, cfg.max_model_len)
