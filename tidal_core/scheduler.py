@@ -1,12 +1,17 @@
 """The Scheduler: one serving unit's continuous-batching policy, driven by any clock.
 
-Owns: the orchestration of one unit's policy objects, each in its own module: `UnitQueues`
-(queues.py: where every request is, its KV blocks), `BatchBuilder` (batch_builder.py: what a
-step holds, decode-first, chunked prefill), `LaunchPolicy` (microwait.py: when new prefills
-launch), `StepSizer` (step_sizer.py: how big a step may be for the TPOT target),
-`BatchLane` (batch_lane.py: the batch class, only in the headroom interactive requests leave),
-`TtftPredictor` (predictor.py), `AdmissionController`, `RegimeDetector`, `LoadEstimator`,
-`CudaGraphBuckets`. The baselines (presets.py) are configurations of these same objects.
+Owns: the step in flight and the orchestration of the unit's policy objects, one module each;
+it holds no policy of its own and calls them in a fixed order every step:
+`UnitQueues` (queues.py: where every request is, its KV blocks), the batching policy
+`BatchBuilder` (batch_builder.py: decode-first, chunked prefill, KV preemption), the launch
+policy `LaunchPolicy` (microwait.py: when new prefills launch), the step sizer `StepSizer`
+(step_sizer.py) applied as `StepLimits` (step_limits.py: prefill allowance, running-batch cap),
+the `TtftPredictor` (predictor.py) read through `UnitView` (unit_view.py: predictions, what
+admission sees, the snapshot), the `AdmissionController`, the batch class's `BatchLane`
+(batch_lane.py: only in the headroom interactive requests leave), the `RegimeDetector` over the
+`LoadEstimator`, `Completion` (completion.py: first tokens, finishes, preemptions and the
+accounts that learn from them), `CudaGraphBuckets` and the `TpotMeter`. The baselines
+(presets.py) are configurations of these same objects, never another code path.
 Three calls make an engine step, besides `add_request` (admission may answer `Rejection`) and `abort`:
 
     decision = scheduler.schedule(now)                    # Run(plan) | WaitUntil(t) | Idle
@@ -25,6 +30,7 @@ from tidal_core.batch_builder import BatchBuilder
 from tidal_core.batch_lane import BatchLane
 from tidal_core.buckets import CudaGraphBuckets
 from tidal_core.budget import StepBudget
+from tidal_core.completion import Completion
 from tidal_core.config import SchedulerConfig
 from tidal_core.load import LoadEstimator
 from tidal_core.microwait import LaunchPolicy
@@ -36,8 +42,9 @@ from tidal_core.request import FinishReason, Request, RequestStatus
 from tidal_core.service_class import ServiceClass
 from tidal_core.snapshot import UnitLoad
 from tidal_core.stats import SchedulerStats
-from tidal_core.step_sizer import StepSizer
+from tidal_core.step_limits import StepLimits
 from tidal_core.tpot_meter import TpotMeter
+from tidal_core.unit_view import UnitView
 
 IDLE = Idle()
 OBSERVE_PERIOD_S = 0.05
@@ -61,20 +68,18 @@ class Scheduler:
         self.regime = RegimeDetector(config.regime, now)
         self.batching = LaunchPolicy(config.batching, config.max_batch_size, config.max_num_batched_tokens)
         self.admission = AdmissionController(config.admission, config.max_model_len)
-        adm, sizing = config.admission, config.step_sizing
-        self.sizer = StepSizer(sizing, adm.target_tpot_s, now) if sizing.enabled and adm.target_tpot_s else None
+        self.limits = StepLimits(config, self.q, self.load, self.regime, now)
+        self.sizer = self.limits.sizer
         self.tpot = TpotMeter()
+        self.view = UnitView(config, self.q, self.load, self.predictor, self.regime, self.limits, self.tpot)
+        self.completion = Completion(self.q, self.stats, self.load, self.predictor, self.sizer)
         self.last_load = 0.0
-        self._prefill_cap = config.max_prefill_tokens or math.inf
-        self._pressure_s, self._borrow_over = sizing.pressure_fraction * adm.target_ttft_s, sizing.overload_borrow
         self._inflight: StepPlan | None = None
         self._aborted_inflight: set[str] = set()
         self._step_id = 0
         self._had_backlog = False
         self._scheduled_at = 0.0
         self._next_observe_s = -math.inf
-        self._running_cap = config.max_batch_size
-        self._refresh_running_cap()
 
     @property
     def num_waiting(self) -> int:
@@ -96,47 +101,26 @@ class Scheduler:
         return self.blocks.usage()
 
     def backlog_prefill_tokens(self) -> int:
-        """Interactive prompt tokens not yet computed: waiting prompts plus unfinished chunks
-        (batch work runs behind them, so it never delays them)."""
-        q = self.q
-        return q.waiting_tokens + q.prefill_remaining - q.batch_prefill_remaining
+        """Interactive prompt tokens not yet computed (`UnitView.backlog_prefill_tokens`)."""
+        return self.view.backlog_prefill_tokens()
 
     def max_running(self) -> int:
         """The running-batch cap: max_batch_size, or less where the step sizer says so."""
-        return self._running_cap
+        return self.limits.running_cap
 
     def snapshot(self, now: float, unit_id: str = "") -> UnitLoad:
-        """This unit's state now, as routing, autoscaling, the simulator and metrics read it.
-        `num_waiting`, `queue_delay_s` and `kv_usage` are the interactive view (batch work
-        yields its slots and KV); the batch class is reported apart."""
-        q = self.q
-        batch_kv = self.q.batch_kv_usage()
-        return UnitLoad(unit_id, self.num_running, len(self.waiting), self.predicted_queue_delay_s(now),
-                        self.blocks.usage() - batch_kv, self.load.load(now), self.load.capacity_rps(),
-                        self.regime.regime, batch_waiting=len(q.batch),
-                        batch_backlog_tokens=q.batch.num_tokens + q.batch_prefill_remaining,
-                        batch_running=q.num_batch_running, batch_kv_usage=batch_kv,
-                        tpot_s=self.tpot.tpot_s(now), target_tpot_s=self.config.admission.target_tpot_s or 0.0)
+        """This unit's state now, as routing, autoscaling, the simulator and metrics read it
+        (`UnitView.snapshot`: the interactive view, the batch class reported apart)."""
+        return self.view.snapshot(now, unit_id)
 
     def predicted_queue_delay_s(self, now: float, own_prompt_tokens: int = 0, corrected: bool = True) -> float:
         """Time before a request arriving now would start its prefill (with `own_prompt_tokens`:
-        would finish it, i.e. its predicted TTFT). See core/predictor.py."""
-        n_dec = len(self.decodes.reqs)
-        slots_short = len(self.waiting) + 1 - (self._running_cap - self.num_running + self.q.num_batch_running)
-        return self.predictor.predict(now, self.backlog_prefill_tokens() + own_prompt_tokens, n_dec, slots_short,
-                                      self.config.max_num_batched_tokens - n_dec, corrected)
+        would finish it, i.e. its predicted TTFT). See `UnitView` and core/predictor.py."""
+        return self.view.predicted_queue_delay_s(now, own_prompt_tokens, corrected)
 
     def unit_state(self, now: float, req: Request, queue_delay_s: float | None = None) -> UnitState:
-        """What admission sees for `req`; its predicted TTFT is the client's: time spent before the
-        unit (`arrival_s` is the front end's arrival) plus `queue_delay_s` (else predicted now)."""
-        if queue_delay_s is None:
-            queue_delay_s = self.predicted_queue_delay_s(now, req.num_prompt_tokens - req.expected_cached_tokens)
-        q = self.q
-        running = self.num_running - q.num_batch_running  # batch requests yield their slots and KV
-        busy = bool(self.waiting) or q.prefill_remaining > q.batch_prefill_remaining or running >= self._running_cap
-        return UnitState(len(self.waiting), len(self.decodes.reqs), self.blocks.usage() - self.q.batch_kv_usage(),
-                         max(0.0, now - req.arrival_s) + queue_delay_s, busy, self.regime.regime,
-                         len(self.requests) - len(q.batch) - q.num_batch_running)
+        """What admission sees for `req` (`UnitView.unit_state`)."""
+        return self.view.unit_state(now, req, queue_delay_s)
 
     def add_request(self, req: Request, now: float) -> Rejection | None:
         """Queue a request, or return why admission control turned it away. Admission judges the
@@ -151,8 +135,8 @@ class Scheduler:
         # With prefix caching the predictions see the uncached tokens only (peeked, nothing taken).
         own = req.num_prompt_tokens - self.q.expect_cached(req)
         self.load.on_arrival(now, own, req.sampling.max_tokens)
-        raw = self.predicted_queue_delay_s(now, own, corrected=False)
-        state = self.unit_state(now, req, raw * self.load.ttft_correction.factor(now))
+        raw = self.view.predicted_queue_delay_s(now, own, corrected=False)
+        state = self.view.unit_state(now, req, raw * self.load.ttft_correction.factor(now))
         rejection = self.admission.check_length(req) or self.admission.check(req, state, self.load)
         if rejection is not None:
             req.status, req.finished_s = RequestStatus.REJECTED, now
@@ -171,7 +155,7 @@ class Scheduler:
             return None
         if self._inflight is not None and request_id in self._inflight.num_scheduled_tokens:
             self._aborted_inflight.add(request_id)
-        self._finish(req, FinishReason.ABORT, now, None)
+        self.completion.finish(req, FinishReason.ABORT, now, None)
         return req
 
     def abort_all(self, now: float) -> list[Request]:
@@ -179,11 +163,23 @@ class Scheduler:
         return [r for rid in list(self.requests) if (r := self.abort(rid, now)) is not None]
 
     def schedule(self, now: float) -> Decision:
-        """Decide the next step at `now`: `Run(plan)`, `WaitUntil(deadline)` (the launch policy
-        holds new prefills and nothing else can run) or `Idle` (no live request). The step holds
-        every running decode, then unfinished chunks, then new requests when the launch policy
-        admits them, within the token and sequence budget less the step sizer's prefill allowance
-        and running-batch cap. One plan is in flight: `on_step_done` must come before the next."""
+        """Decide the next step at `now`. Returns `Run(plan)`, `WaitUntil(deadline)` (the launch
+        policy holds new prefills and nothing else can run) or `Idle` (no live request). In order:
+
+        1. every `OBSERVE_PERIOD_S`, refresh the load estimate and the regime;
+        2. running batch requests yield to waiting interactive ones (the batch lane), and every
+           decode opening a KV block gets one, preempting the newest running request if KV runs
+           out (the batching policy, `BatchBuilder.grow_decodes`);
+        3. every running decode takes one token of the budget (`max_num_batched_tokens` tokens,
+           `max_batch_size` sequences); what is left for prompts is capped by the step limits'
+           prefill allowance (the step sizer's TPOT banks, `max_prefill_tokens`);
+        4. unfinished prefill chunks continue, oldest first; then, when the launch policy (the
+           micro-wait, fixed wait or static batches) admits them, new requests from the head of
+           the queue, within the step limits' running cap;
+        5. the batch lane fills what interactive work left; the step is padded to its CUDA-graph
+           bucket and recorded in the stats.
+
+        One plan is in flight at a time: `on_step_done` must come before the next `schedule`."""
         if self._inflight is not None:
             raise RuntimeError(f"step {self._inflight.step_id} is still in flight; call on_step_done first")
         decodes, waiting, prefilling, q = self.decodes, self.waiting, self.prefilling, self.q
@@ -192,24 +188,21 @@ class Scheduler:
         cfg = self.config
         if now >= self._next_observe_s:
             self._observe(now)
-        load, regime = self.last_load, self.regime.regime
+        load, regime, cap = self.last_load, self.regime.regime, self.limits.running_cap
         budget = StepBudget(cfg.max_num_batched_tokens, cfg.max_batch_size)
         new_block_ids: dict[str, list[int]] = {}
         lane = self.lane
-        yielded = lane.yield_to_interactive(self._running_cap) if lane is not None and waiting else ()
+        yielded = lane.yield_to_interactive(cap) if lane is not None and waiting else ()
         preempted = self.builder.grow_decodes(new_block_ids) if decodes.reqs else ()
-        for reason, victims in (("batch_yield", yielded), ("kv_exhausted", preempted)):
-            for victim in victims:
-                self.stats.on_preempted(reason, victim.service_class.value)
-                if self.sizer is not None:
-                    self.sizer.on_decode_end(victim.request_id)
+        if yielded or preempted:
+            self.completion.on_preempted(yielded, preempted)
         sched = decodes.ones.copy()
         n_dec = len(sched)
         budget.take_decodes(n_dec)
         wanted = budget.tokens_left
         interactive_work = bool(waiting) or q.prefill_remaining > q.batch_prefill_remaining
         batch_work = lane is not None and (bool(q.batch) or q.batch_prefill_remaining > 0)
-        allowance = self._prefill_allowance(now, n_dec) if interactive_work or batch_work else wanted
+        allowance = self.limits.prefill_allowance(now, n_dec) if interactive_work or batch_work else wanted
         if allowance < wanted:
             budget.tokens_left = int(max(0, allowance))
         self._had_backlog = interactive_work
@@ -219,19 +212,14 @@ class Scheduler:
         prefill_tokens = self.builder.continue_prefills(budget, sched, prefill_ctx, new_reqs)
         reason, wait_s = "decode_only", 0.0
         if waiting and not budget.exhausted:
-            decision = self.batching.decide(now, waiting[0].queued_s, len(waiting), self.q.waiting_tokens,
-                                            bool(sched) or bool(prefilling), load, regime)
-            wait_s = decision.wait_s
-            if decision.admit:
-                reason = decision.reason
-                room = self._running_cap - self.num_running if self.sizer is not None else math.inf
-                prefill_tokens += self.builder.admit(now, budget, sched, prefill_ctx, new_reqs, room)
-            elif not sched and decision.deadline_s is not None:
-                self.stats.record_wait(decision.reason, max(0.0, decision.deadline_s - now))
-                return WaitUntil(decision.deadline_s, decision.reason)
+            launched = self._launch(now, budget, sched, prefill_ctx, new_reqs, load, regime)
+            if isinstance(launched, WaitUntil):
+                return launched
+            admitted, reason, wait_s = launched
+            prefill_tokens += admitted
         batch_tokens = 0 if lane is None else lane.fill_step(now, budget, sched, prefill_ctx, new_reqs, n_dec,
                                                              prefill_tokens, self.sizer, self.load, load,
-                                                             self._running_cap - self.num_running)
+                                                             cap - self.num_running)
         prefill_tokens += batch_tokens
         if not sched:
             raise AssertionError(f"nothing schedulable with {len(waiting)} waiting and {self.num_running} running")
@@ -251,9 +239,19 @@ class Scheduler:
         return Run(plan, reason)
 
     def on_step_done(self, plan: StepPlan, result: StepResult, now: float) -> StepOutputs:
-        """Apply the step in flight: its measured time trains the step model, the prefill speed
-        and the step sizer's banks; its sampled tokens extend decodes, end requests (stop
-        token, length) and turn finished prefills into decodes with their first token."""
+        """Apply the step in flight (`plan`, which `schedule` returned; `result`, the executor's)
+        at `now`, the time it ended:
+
+        1. its measured device time trains the step-time model, its batch tokens the batch
+           lane's drain rate, its decodes the TPOT meter and, when prompts were queued, the
+           measured prefill speed the TTFT predictor reads;
+        2. the step limits charge the step's interval to the running decodes' TPOT banks and
+           refresh the running cap;
+        3. its sampled tokens (less those of requests aborted while it ran) extend decodes, end
+           requests (stop token, length) and turn finished prefills into decodes with their first
+           token (`Completion.apply`: the predictor's error is recorded on the request).
+
+        Returns the tokens, the ids with their first token and the finished requests."""
         if plan is not self._inflight:
             raise RuntimeError(f"on_step_done for step {plan.step_id}, which is not the step in flight")
         self._inflight = None
@@ -263,81 +261,38 @@ class Scheduler:
         self.tpot.on_step_done(now, plan.num_decode_seqs)
         if self._had_backlog:
             self.load.prefill.on_step(now, now - self._scheduled_at, plan.num_prefill_tokens)
-        if self.sizer is not None:
-            self.sizer.on_step_done(now, plan.num_decode_seqs)
-            self._refresh_running_cap()
+        self.limits.on_step_done(now, plan.num_decode_seqs)
         sampled = result.sampled_token_ids
         if self._aborted_inflight:
             aborted = self._aborted_inflight
             sampled = {rid: tok for rid, tok in sampled.items() if rid not in aborted}
             aborted.clear()
-        finished: list[Request] = []
-        if (decodes := self.decodes).reqs:
-            decodes.append_tokens(sampled)
-            self.stats.num_generated_tokens += len(decodes.reqs)
-            for req in self.q.stop_hits(sampled):
-                self._finish(req, FinishReason.STOP, now, finished)
-            for req in decodes.due_by_length():
-                self._finish(req, FinishReason.LENGTH, now, finished)
-        first = self._advance_prefills(plan, sampled, now, finished)
+        first, finished = self.completion.apply(plan, sampled, now)
         return StepOutputs(sampled, first, finished, result.logprobs)
+
+    def _launch(self, now: float, budget: StepBudget, sched: dict[str, int], prefill_ctx: dict[str, int],
+                new_reqs: list[NewRequestData], load: float, regime: Regime) -> tuple[int, str, float] | WaitUntil:
+        """Ask the launch policy whether new requests join this step. Returns the prompt tokens
+        admitted, the dispatch reason and the micro-wait taken, or `WaitUntil` when the policy
+        holds them and nothing else would run."""
+        waiting = self.waiting
+        decision = self.batching.decide(now, waiting[0].queued_s, len(waiting), self.q.waiting_tokens,
+                                        bool(sched) or bool(self.prefilling), load, regime)
+        if decision.admit:
+            room = self.limits.room(self.num_running)
+            return (self.builder.admit(now, budget, sched, prefill_ctx, new_reqs, room), decision.reason,
+                    decision.wait_s)
+        if not sched and decision.deadline_s is not None:
+            self.stats.record_wait(decision.reason, max(0.0, decision.deadline_s - now))
+            return WaitUntil(decision.deadline_s, decision.reason)
+        return 0, "decode_only", decision.wait_s
 
     def _observe(self, now: float) -> None:
         """Refresh load and regime (a regime change needs a sustained signal anyway)."""
         self._next_observe_s = now + OBSERVE_PERIOD_S
         self.last_load = load = self.load.load(now)
-        self.regime.update(now, load, self.predicted_queue_delay_s(now) / self.config.admission.target_ttft_s,
+        self.regime.update(now, load, self.view.predicted_queue_delay_s(now) / self.config.admission.target_ttft_s,
                            self.blocks.usage() - self.q.batch_kv_usage())
-
-    def _refresh_running_cap(self) -> None:
-        cap = self.config.max_batch_size
-        if self.sizer is not None:
-            cap = min(cap, self.sizer.max_running(self.load.service))
-            self.load.batch_cap = cap
-        self._running_cap = cap
-
-    def _prefill_allowance(self, now: float, n_dec: int) -> float:
-        """The step sizer's prefill allowance (TTFT pressure once the oldest prompt waited `pressure_fraction`
-        of the target; in OVERLOAD no borrowing, or the plain table with `overload_borrow`), within any cap."""
-        if self.sizer is None:
-            return self._prefill_cap
-        over = self.regime.regime is Regime.OVERLOAD
-        strict = over and not self._borrow_over
-        pressure = not over and now - self.q.oldest_arrival_s() >= self._pressure_s
-        return min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, n_dec, pressure, strict))
-
-    def _advance_prefills(self, plan: StepPlan, sampled: dict[str, int], now: float,
-                          finished: list[Request]) -> list[str]:
-        computed, done = self.q.complete_prefills(plan, sampled)
-        stats, sizer, first = self.stats, self.sizer, []
-        stats.num_prompt_tokens_computed += computed
-        stats.num_generated_tokens += len(done)
-        for req in done:
-            if req.first_token_s is None:
-                self.predictor.on_first_token(req, now)
-                first.append(req.request_id)
-            if req.is_batch:
-                stats.num_batch_generated_tokens += 1
-            if self.q.hit_stop(req, req.output_token_ids[-1]):
-                self._finish(req, FinishReason.STOP, now, finished)
-            elif len(req.output_token_ids) >= self.decodes.length_limit(req):
-                self._finish(req, FinishReason.LENGTH, now, finished)
-            else:
-                self.decodes.add(req)
-                if sizer is not None and not req.is_batch:  # batch decodes keep no TPOT bank
-                    sizer.on_decode_start(req.request_id)
-        return first
-
-    def _finish(self, req: Request, reason: FinishReason, now: float, finished: list[Request] | None) -> None:
-        self.q.remove(req, reason, now)
-        done = reason is not FinishReason.ABORT and not req.is_batch  # batch lengths would skew the SLO's models
-        if done:
-            self.load.on_finish(now, len(req.output_token_ids))
-        if self.sizer is not None:
-            self.sizer.on_request_end(req.request_id, len(req.output_token_ids) if done else None)
-        self.stats.finished[reason.value] += 1
-        if finished is not None:
-            finished.append(req)
 
     def check_integrity(self) -> None:
         """Every invariant the scheduler relies on; tests call it after every operation."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tidal_core import ServicePrior
+from tidal_core import Request, SamplingParams, ServicePrior
 from tidal_core.load import LoadEstimator
 from tidal_core.predictor import TtftPredictor
 
@@ -47,3 +47,38 @@ def test_the_error_is_kept_and_trains_the_correction() -> None:
     assert p.load.ttft_correction.factor(1.0) == pytest.approx(2.0, rel=0.05)
     assert p.predict(1.0, 1000, 0, 0, 1000, corrected=True) == pytest.approx(
         2.0 * p.predict(1.0, 1000, 0, 0, 1000, corrected=False), rel=0.05)
+
+
+def test_a_first_token_stamps_the_request_and_trains_on_the_raw_prediction() -> None:
+    p = _predictor()
+    req = Request("a", 100, SamplingParams(max_tokens=4), arrival_s=0.0)
+    req.raw_predicted_ttft_s, req.predicted_ttft_s = 0.5, 0.8  # the model's, and the corrected one admission used
+    p.on_first_token(req, 1.0)
+    assert req.first_token_s == 1.0
+    assert req.ttft_prediction_ratio == pytest.approx(0.8)  # the error of what admission acted on
+    assert p.num_observed == 1 and p.ratio_sum == pytest.approx(0.8)
+    assert p.load.ttft_correction.factor(1.0) == pytest.approx(2.0)  # measured / raw, not / corrected (1.25)
+
+
+def test_a_request_without_a_prediction_is_stamped_but_teaches_nothing() -> None:
+    p = _predictor()
+    req = Request("b", 100, SamplingParams(max_tokens=4), arrival_s=0.0)  # e.g. batch work: never predicted
+    p.on_first_token(req, 3.0)
+    assert req.first_token_s == 3.0 and req.ttft_prediction_ratio is None
+    assert p.num_observed == 0 and p.load.ttft_correction.factor(3.0) == 1.0
+
+
+def test_a_stale_prefill_measurement_falls_back_to_the_model() -> None:
+    p = _predictor()
+    for i in range(20):  # 5000 tokens/s measured, far faster than the model's 1000 per 0.124 s
+        p.load.prefill.on_step(0.1 * (i + 1), 0.1, 500)
+    model = 0.024 + 0.1  # one step of 1000 tokens beside 4 decodes
+    assert p.predict(2.0, 1000, 4, 0, 1000) == pytest.approx(0.2)
+    assert p.predict(2.0 + 31.0, 1000, 4, 0, 1000) == pytest.approx(model)  # older than 3 x tau (10 s)
+
+
+def test_free_slots_add_no_wait() -> None:
+    p = _predictor()
+    assert p.predict(0.0, 0, 4, 0, 1000) == 0.0
+    assert p.predict(0.0, 0, 4, -5, 1000) == 0.0  # more room than requests waiting
+    assert p.predict(0.0, 0, 4, 1, 1000) == pytest.approx(1 / p.load.departure_rate(0.0))

@@ -115,3 +115,56 @@ def test_pressure_borrows_more_and_strict_borrows_nothing() -> None:
     strict = sizer.prefill_allowance(SVC, 1, pressure=True, strict=True)
     assert strict == 790 == normal  # the 1% quantile is the 1-token request: nothing to borrow
     assert pressed == pytest.approx(20 * 790, abs=2)  # the 60% quantile decodes 20 more tokens
+
+
+def test_an_abort_closes_the_bank_but_teaches_no_length() -> None:
+    sizer = StepSizer(CFG, 0.1)
+    sizer.on_decode_start("a")
+    sizer.on_request_end("a", None)
+    assert sizer.bank_s("a") is None and sizer.prefill_allowance(SVC, 1) == UNLIMITED
+    for _ in range(15):
+        sizer.on_request_end("x", 11)
+    assert sizer.borrow == ()  # 15 finished (the abort does not count): no table yet
+    sizer.on_request_end("x", 11)
+    assert len(sizer.borrow) == 10  # the 16th builds it: 10 decode tokens after the first
+
+
+def test_the_tables_refresh_every_64_finishes_from_the_last_512() -> None:
+    sizer = StepSizer(StepSizingConfig(borrow_quantile=0.01, pressure_quantile=0.5), 0.1)
+    for _ in range(16):
+        sizer.on_finished(11)
+    for _ in range(47):
+        sizer.on_finished(101)
+    assert len(sizer.borrow) == 10  # 63 finished: still the table built at 16
+    sizer.on_finished(101)
+    assert len(sizer.borrow) == 100 and sizer.borrow[0] == 10  # 64th: rebuilt, 1% quantile of 10/100 -> 10
+    assert sizer.pressure[0] == 100  # the median of 16 x 10 and 48 x 100 decode tokens
+    for _ in range(512):  # a whole window of short requests replaces every long one
+        sizer.on_finished(3)
+    assert sizer.borrow == (2, 1) and sizer.pressure == (2, 1)
+
+
+def test_an_idle_gap_is_not_charged_to_the_next_decode_step() -> None:
+    sizer = StepSizer(CFG, 0.1, now=0.0)
+    sizer.on_step_done(5.0, 0)  # a prefill-only step after 5 s of idling
+    sizer.on_decode_start("a")
+    sizer.on_step_done(5.04, 1)
+    assert sizer.bank_s("a") == pytest.approx(0.06) and sizer.decode_steps == 1
+
+
+def test_decodes_without_a_bank_set_no_limit() -> None:
+    sizer = StepSizer(CFG, 0.1)
+    assert sizer.prefill_allowance(SVC, 8) == UNLIMITED  # e.g. batch decodes only: they keep no bank
+
+
+def test_a_fixed_prefill_cost_comes_out_of_the_allowance() -> None:
+    svc = ServiceModel(ServicePrior(step_overhead_s=0.020, prefill_s_per_token=0.0001, decode_s_per_seq=0.001,
+                                    prefill_step_s=0.010))
+    sizer = StepSizer(CFG, 0.1)
+    sizer.on_decode_start("a")
+    assert sizer.prefill_allowance(svc, 1) == pytest.approx(690, abs=1)  # (100 - 21 - 10) ms at 0.1 ms
+
+
+def test_free_decodes_leave_the_batch_uncapped() -> None:
+    svc = ServiceModel(ServicePrior(step_overhead_s=0.020, prefill_s_per_token=0.0001, decode_s_per_seq=0.0))
+    assert StepSizer(CFG, 0.1).max_running(svc) == UNLIMITED

@@ -1,0 +1,74 @@
+"""Instructions per scheduler cycle of two checkouts: this tree against a baseline tree.
+
+    python benchmarks/scheduler_instructions_ab.py BASELINE_DIR [--cycles 1100] [--base-cycles 100]
+
+Wall-clock ratios from benchmarks/scheduler_ab.py swing by tens of percent on a shared machine;
+instruction counts do not. This runs the same bench (`loadgen.sim.bench.bench_scheduler`, 256
+running, 4096 waiting) under valgrind's cachegrind (no cache simulation) in a fresh interpreter
+of each tree, twice per tree and variant: with `--cycles` and with `--base-cycles`. The
+difference, divided by the difference in cycles, is the instructions one cycle costs, set-up
+and interpreter start excluded. A cycle here includes what the bench does around the two timed
+calls (topping the queue up with `add_request`, the counting executor), identical in both
+trees except for `add_request` itself. String hashing is fixed (`PYTHONHASHSEED=0`) so both
+trees do the same dict and set work. Variants as in scheduler_ab.py: as shipped (no TPOT
+target, step sizer off) and with `admission.target_tpot_s = 0.1` (step sizer on). Needs
+`valgrind` on PATH; each run takes about 20-60 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_CODE = """
+import functools, sys
+import loadgen.sim.bench as b
+if sys.argv[1] == "tpot":
+    b.AdmissionConfig = functools.partial(b.AdmissionConfig, target_tpot_s=0.1)
+b.bench_scheduler(256, 4096, int(sys.argv[2]))
+"""
+
+
+def _instructions(tree: Path, variant: str, cycles: int) -> int:
+    """Instructions the whole interpreter run executed (cachegrind's `summary:` line)."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0"}  # same hashes, same dict work
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "cachegrind.out"
+        subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}",
+                        sys.executable, "-c", _CODE, variant, str(cycles)],
+                       cwd=tree, env=env, check=True, capture_output=True)
+        summary = next(line for line in out.read_text().splitlines() if line.startswith("summary:"))
+    return int(summary.split()[1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("baseline", type=Path)
+    ap.add_argument("--cycles", type=int, default=1100)
+    ap.add_argument("--base-cycles", type=int, default=100)
+    args = ap.parse_args()
+    if shutil.which("valgrind") is None:
+        print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
+        return 2
+    if args.cycles <= args.base_cycles:
+        print(f"--cycles={args.cycles} must be above --base-cycles={args.base_cycles}", file=sys.stderr)
+        return 2
+    trees = {"baseline": args.baseline.resolve(), "this": Path(__file__).resolve().parents[1]}
+    print("| variant | tree | instructions per cycle |\n|---|---|---|")
+    for variant in ("shipped", "tpot"):
+        per_cycle: dict[str, float] = {}
+        for name, tree in trees.items():
+            hi, lo = _instructions(tree, variant, args.cycles), _instructions(tree, variant, args.base_cycles)
+            per_cycle[name] = (hi - lo) / (args.cycles - args.base_cycles)
+            print(f"| {variant} | {name} | {per_cycle[name]:,.0f} |", flush=True)
+        print(f"| {variant} | this / baseline | {per_cycle['this'] / per_cycle['baseline']:.4f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

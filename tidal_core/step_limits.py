@@ -1,0 +1,77 @@
+"""The step's limits: how many requests may run and how many prompt tokens one step may hold.
+
+Owns: `StepLimits`, the step sizer (core/step_sizer.py) applied to one unit. It owns the
+sizer itself (on when `step_sizing.enabled` and `admission.target_tpot_s` is set) and turns
+its banks into the two limits `Scheduler.schedule` applies to every step:
+
+- **running cap** (`running_cap`): `max_batch_size`, or less where the sizer's batch cap
+  says so; refreshed after every step from the learned step-time model, and handed to the
+  load estimator (`LoadEstimator.batch_cap`) so capacity is counted at the batch the SLO allows;
+- **prefill allowance** (`prefill_allowance`): the prompt tokens a step may hold beside its
+  decodes. Without the sizer it is `max_prefill_tokens` (or no limit). With it, the sizer's
+  allowance within that cap, read with TTFT *pressure* once the oldest interactive prompt has
+  waited `pressure_fraction` of the TTFT target, and *strict* in OVERLOAD (no borrowing
+  against future tokens) unless `overload_borrow` is set.
+
+Each finished step's interval is charged to the decodes' banks here (`on_step_done`); a
+decode starting or ending, and a request's output length, reach the sizer from whoever moves
+requests (core/completion.py).
+
+Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tidal_core.config import SchedulerConfig
+from tidal_core.load import LoadEstimator
+from tidal_core.queues import UnitQueues
+from tidal_core.regime import Regime, RegimeDetector
+from tidal_core.step_sizer import StepSizer
+
+
+class StepLimits:
+    __slots__ = ("_borrow_over", "_max_batch_size", "_prefill_cap", "_pressure_s", "load", "queues", "regime",
+                 "running_cap", "sizer")
+
+    def __init__(self, config: SchedulerConfig, queues: UnitQueues, load: LoadEstimator, regime: RegimeDetector,
+                 now: float = 0.0) -> None:
+        adm, sizing = config.admission, config.step_sizing
+        self.sizer = StepSizer(sizing, adm.target_tpot_s, now) if sizing.enabled and adm.target_tpot_s else None
+        self.queues, self.load, self.regime = queues, load, regime
+        self._max_batch_size = config.max_batch_size
+        self._prefill_cap = config.max_prefill_tokens or math.inf
+        self._pressure_s = sizing.pressure_fraction * adm.target_ttft_s
+        self._borrow_over = sizing.overload_borrow
+        self.running_cap = config.max_batch_size
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Recompute the running cap from the step model as it stands (after each step)."""
+        cap = self._max_batch_size
+        if self.sizer is not None:
+            cap = min(cap, self.sizer.max_running(self.load.service))
+            self.load.batch_cap = cap
+        self.running_cap = cap
+
+    def prefill_allowance(self, now: float, num_decodes: int) -> float:
+        """Prompt tokens the next step may hold beside `num_decodes` decodes (inf: no limit)."""
+        if self.sizer is None:
+            return self._prefill_cap
+        over = self.regime.regime is Regime.OVERLOAD
+        strict = over and not self._borrow_over
+        pressure = not over and now - self.queues.oldest_arrival_s() >= self._pressure_s
+        return min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, num_decodes, pressure, strict))
+
+    def room(self, num_running: int) -> float:
+        """How many more requests may start running: bounded by the cap only under the sizer
+        (without it the step's sequence budget alone bounds them)."""
+        return self.running_cap - num_running if self.sizer is not None else math.inf
+
+    def on_step_done(self, now: float, num_decodes: int) -> None:
+        """A step with `num_decodes` decodes ended at `now`: the sizer charges its interval to
+        the decodes' banks, and the running cap follows the updated step model."""
+        if self.sizer is not None:
+            self.sizer.on_step_done(now, num_decodes)
+            self.refresh()

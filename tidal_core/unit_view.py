@@ -1,0 +1,78 @@
+"""What a unit looks like from outside: read-only views of one Scheduler's state.
+
+Owns: `UnitView`, every read the scheduler's readers make and nothing that changes state:
+
+- `backlog_prefill_tokens`: interactive prompt tokens not computed yet;
+- `predicted_queue_delay_s`: the TTFT predictor (core/predictor.py) applied to this unit's
+  backlog, decodes and free running slots (the step limits' running cap, core/step_limits.py);
+- `unit_state`: what admission control (core/admission.py) judges a new arrival on;
+- `snapshot`: the `UnitLoad` routing, autoscaling, the simulator and the metrics read
+  (core/snapshot.py).
+
+The batch class yields its slots and KV to interactive requests, so every view here is the
+interactive one, with the batch class reported apart in the snapshot.
+
+Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
+"""
+
+from __future__ import annotations
+
+from tidal_core.admission import UnitState
+from tidal_core.config import SchedulerConfig
+from tidal_core.load import LoadEstimator
+from tidal_core.predictor import TtftPredictor
+from tidal_core.queues import UnitQueues
+from tidal_core.regime import RegimeDetector
+from tidal_core.request import Request
+from tidal_core.snapshot import UnitLoad
+from tidal_core.step_limits import StepLimits
+from tidal_core.tpot_meter import TpotMeter
+
+
+class UnitView:
+    __slots__ = ("_max_tokens", "_target_tpot_s", "limits", "load", "predictor", "queues", "regime", "tpot")
+
+    def __init__(self, config: SchedulerConfig, queues: UnitQueues, load: LoadEstimator, predictor: TtftPredictor,
+                 regime: RegimeDetector, limits: StepLimits, tpot: TpotMeter) -> None:
+        self.queues, self.load, self.predictor, self.regime, self.limits, self.tpot = (queues, load, predictor, regime,
+                                                                                      limits, tpot)
+        self._max_tokens = config.max_num_batched_tokens
+        self._target_tpot_s = config.admission.target_tpot_s or 0.0
+
+    def backlog_prefill_tokens(self) -> int:
+        """Interactive prompt tokens not yet computed: waiting prompts plus unfinished chunks
+        (batch work runs behind them, so it never delays them)."""
+        q = self.queues
+        return q.waiting_tokens + q.prefill_remaining - q.batch_prefill_remaining
+
+    def predicted_queue_delay_s(self, now: float, own_prompt_tokens: int = 0, corrected: bool = True) -> float:
+        """Time before a request arriving now would start its prefill (with `own_prompt_tokens`:
+        would finish it, i.e. its predicted TTFT). See core/predictor.py."""
+        q = self.queues
+        n_dec = len(q.decodes.reqs)
+        slots_short = len(q.waiting) + 1 - (self.limits.running_cap - q.num_running + q.num_batch_running)
+        return self.predictor.predict(now, self.backlog_prefill_tokens() + own_prompt_tokens, n_dec, slots_short,
+                                      self._max_tokens - n_dec, corrected)
+
+    def unit_state(self, now: float, req: Request, queue_delay_s: float | None = None) -> UnitState:
+        """What admission sees for `req`; its predicted TTFT is the client's: time spent before the
+        unit (`arrival_s` is the front end's arrival) plus `queue_delay_s` (else predicted now)."""
+        if queue_delay_s is None:
+            queue_delay_s = self.predicted_queue_delay_s(now, req.num_prompt_tokens - req.expected_cached_tokens)
+        q = self.queues
+        running = q.num_running - q.num_batch_running  # batch requests yield their slots and KV
+        busy = bool(q.waiting) or q.prefill_remaining > q.batch_prefill_remaining or running >= self.limits.running_cap
+        return UnitState(len(q.waiting), len(q.decodes.reqs), q.blocks.usage() - q.batch_kv_usage(),
+                         max(0.0, now - req.arrival_s) + queue_delay_s, busy, self.regime.regime,
+                         len(q.requests) - len(q.batch) - q.num_batch_running)
+
+    def snapshot(self, now: float, unit_id: str = "") -> UnitLoad:
+        """This unit's state now. `num_waiting`, `queue_delay_s` and `kv_usage` are the
+        interactive view (batch work yields its slots and KV); the batch class is reported apart."""
+        q, load = self.queues, self.load
+        batch_kv = q.batch_kv_usage()
+        return UnitLoad(unit_id, q.num_running, len(q.waiting), self.predicted_queue_delay_s(now),
+                        q.blocks.usage() - batch_kv, load.load(now), load.capacity_rps(), self.regime.regime,
+                        batch_waiting=len(q.batch), batch_backlog_tokens=q.batch.num_tokens + q.batch_prefill_remaining,
+                        batch_running=q.num_batch_running, batch_kv_usage=batch_kv, tpot_s=self.tpot.tpot_s(now),
+                        target_tpot_s=self._target_tpot_s)
