@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from serve_app.unit_api import UNIT_REPLACED, EngineError, GenerateChunk, GenerateRequest
 from tidal_core import Idle, Request, Run, Scheduler, StepPlan, UnitLoad, WaitUntil
+from tidal_core.block_hash import HashScheme
 from tidal_core.front_admission import published_load
 from tidal_core.plan import AsyncExecutor
 from tidal_core.service_class import ServiceClass
@@ -110,6 +111,11 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._last_step_end: float | None = None
+        cfg = scheduler.config
+        # How this unit hashes prompt blocks (None: no prefix caching): carried hashes of any
+        # other scheme are ignored and the scheduler hashes the prompt itself.
+        self.hash_scheme = HashScheme(cfg.block_size, cfg.prefix_cache_namespace) \
+            if cfg.enable_prefix_caching else None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -145,6 +151,8 @@ class EngineLoop:
             waited = 0.0
         req = Request(gen.request_id, len(gen.prompt_token_ids), gen.sampling, now - waited,
                       list(gen.prompt_token_ids), service_class=gen.service_class)
+        if gen.prompt_hashes is not None and self.hash_scheme is not None:  # hashed once, by the ingress
+            req.block_hashes = gen.prompt_hashes.usable_for(self.hash_scheme, req.num_prompt_tokens)
         if self.observer:
             self.observer.on_arrival()
         rejection = self.sched.add_request(req, now)

@@ -4,9 +4,11 @@ Owns: `TidalRequestRouter`, a `ray.serve` `RequestRouter` (alpha API in Ray 2.60
 the caller's process (the ingress replicas). Each unit reports its load through
 `ServingUnit.record_routing_stats` (queue delay, KV usage, running/waiting, load, capacity, regime);
 this class turns the reports into `UnitLoad`s and asks the core. With `prefix_routing` (the
-default) that is `PrefixAwareRouter` (tidal_core/prefix_routing.py): the request's prompt token
-ids travel in its `GenerateRequest`, so the router hashes their blocks here, the way the
-units do, and prefers the unit it sent the same prefix to; otherwise `choose_unit`. A unit
+default) that is `PrefixAwareRouter` (tidal_core/prefix_routing.py): the request's block hashes
+travel in its `GenerateRequest` (made once by the ingress, `prompt_hashes`), and it prefers the
+unit it sent the same prefix to; otherwise `choose_unit`. Only a request that carries no hashes
+of the router's scheme (its `block_size` and namespace) gets its prompt token ids hashed here,
+the way the units do. A unit
 that has not reported yet counts as empty. The chosen unit is ranked first, the rest follow
 (Serve falls back to them if the first refuses).
 
@@ -23,7 +25,7 @@ from typing import Any
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from tidal_core import UnitLoad, choose_unit
-from tidal_core.block_hash import block_hashes, hash_seed
+from tidal_core.block_hash import HashScheme, PromptHashes
 from tidal_core.prefix_routing import PrefixAwareRouter, PrefixRoutingConfig
 
 
@@ -35,6 +37,14 @@ def prompt_token_ids(pending_request: PendingRequest | None) -> list[int] | None
     return ids if isinstance(ids, list) else None
 
 
+def carried_hashes(pending_request: PendingRequest | None) -> PromptHashes | None:
+    """The block hashes a `generate(GenerateRequest)` call carries (made by the ingress), if any."""
+    if pending_request is None or not pending_request.args:
+        return None
+    hashes = getattr(pending_request.args[0], "prompt_hashes", None)
+    return hashes if isinstance(hashes, PromptHashes) else None
+
+
 class TidalRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, seed: int | None = None, prefix_routing: bool = True, block_size: int = 16,
                          index_blocks: int = 65536, prefix_cache_namespace: str = "", **kwargs: Any) -> None:
@@ -43,7 +53,7 @@ class TidalRequestRouter(FIFOMixin, RequestRouter):
         if prefix_routing:
             self._prefix = PrefixAwareRouter(PrefixRoutingConfig(index_blocks=index_blocks, block_size=block_size),
                                              self._rng)
-        self._seed_hash = hash_seed(prefix_cache_namespace)
+        self._scheme = HashScheme(block_size, prefix_cache_namespace)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -55,7 +65,10 @@ class TidalRequestRouter(FIFOMixin, RequestRouter):
         router: PrefixAwareRouter | None = getattr(self, "_prefix", None)
         tokens = prompt_token_ids(pending_request) if router is not None else None
         if router is not None and tokens:
-            hashes = block_hashes(tokens, router.config.block_size, self._seed_hash)
+            carried = carried_hashes(pending_request)
+            hashes = carried.usable_for(self._scheme, len(tokens)) if carried is not None else None
+            if hashes is None:  # an older client or a direct call: hash here, as the units do
+                hashes = self._scheme.hash(tokens).hashes
             chosen = router.choose(loads, hashes, len(tokens))
         else:
             chosen = choose_unit(loads, rng)

@@ -96,7 +96,7 @@ class ServingUnit:
                                coalescing=StreamCoalescing(app.streaming.interval_s, app.streaming.min_streams),
                                unit_id=self.unit)
         self.info = ModelInfo(app.engine.model_id, self.group.max_model_len, tuple(self.group.eos_token_ids),
-                              app.engine.backend)
+                              app.engine.backend, hash_scheme=self.loop.hash_scheme)
         self._gauge_task: asyncio.Task[None] | None = None
         self._memory_baseline: Any = None
         if os.environ.get("TIDAL_TRACEMALLOC"):  # memory diagnosis (benchmarks/soak.py --tracemalloc)

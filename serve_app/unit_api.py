@@ -1,9 +1,10 @@
 """The contract between the ingress deployment and a router deployment (one serving unit).
 
-Owns: `GenerateRequest` (tokenized prompt + sampling parameters, sent through a Serve
-streaming handle), `GenerateChunk` (what the router streams back: new token ids, a finish
-reason, or an `EngineError`) and `ModelInfo`. Plain dataclasses: they cross process
-boundaries by pickle, and the ingress can be tested without Ray.
+Owns: `GenerateRequest` (tokenized prompt + sampling parameters, and the prompt's block hashes
+when the unit caches prefixes, sent through a Serve streaming handle), `GenerateChunk` (what
+the router streams back: new token ids, a finish reason, or an `EngineError`) and `ModelInfo`.
+Plain dataclasses: they cross process boundaries by pickle, and the ingress can be tested
+without Ray.
 
 Streaming protocol: `router.generate.options(stream=True).remote(request)` yields chunks.
 The first chunk may be an error (rejected by admission control: 429; no unit: 503; bad
@@ -17,12 +18,19 @@ With `report_load`, the unit's verdict carries its snapshot (`GenerateChunk.load
 ingress's front-end admission reads): a rejection carries it on its error chunk; an admitted
 request first gets a chunk with only the snapshot (no tokens, no finish reason), sent at once,
 before the first token. Such a chunk is for the ingress's client and never reaches a renderer.
+
+Prefix hashes: a unit with prefix caching on names its `HashScheme` in `ModelInfo.hash_scheme`;
+the ingress hashes each prompt once under it (`GenerateRequest.prompt_hashes`), and the request
+router and the unit both read those. A request without them, or with hashes of another scheme
+(namespace, block size), is hashed by the unit itself: the hashes are an optimisation, never a
+key the unit trusts across namespaces.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tidal_core.block_hash import HashScheme, PromptHashes
 from tidal_core.request import SamplingParams
 from tidal_core.service_class import ServiceClass
 from tidal_core.snapshot import UnitLoad
@@ -36,6 +44,7 @@ class GenerateRequest:
     arrival_s: float  # wall clock (time.time()) when the ingress received the HTTP request
     report_load: bool = False  # the unit attaches its `UnitLoad` to its verdict (see GenerateChunk.load)
     service_class: ServiceClass = ServiceClass.INTERACTIVE  # from service_tier / priority (tidal_core/service_class.py)
+    prompt_hashes: PromptHashes | None = None  # the prompt's block hashes, made once by the ingress
 
 
 @dataclass(frozen=True)
@@ -78,3 +87,4 @@ class ModelInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     backend: str  # "hf" or "sim"
+    hash_scheme: HashScheme | None = None  # how the unit hashes prompt blocks; None: no prefix caching

@@ -1,7 +1,10 @@
 """Chained hashes of full KV blocks: the keys of the prefix cache and of cache-aware routing.
 
 Owns: `hash_seed` (the root of every chain: a model / adapter identity string, so two models
-never share blocks) and `block_hashes` (one hash per *full* block of a token sequence). The
+never share blocks), `block_hashes` (one hash per *full* block of a token sequence), and the
+pair that lets a prompt be hashed once, at the front end, for both the router and the unit:
+`HashScheme` (what the hashes depend on besides the tokens: a unit's block size and namespace)
+and `PromptHashes` (a prompt's hashes labelled with the scheme that made them). The
 hash of block k covers the hash of block k-1 and block k's token ids, so equal hashes mean an
 equal whole prefix, not just an equal block. A partial last block gets no hash: it is never
 shared.
@@ -16,14 +19,17 @@ Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall cl
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 _DIGEST = 16
 _TOKEN_BYTES = 8  # token ids packed as signed 64-bit integers
 
 
+@functools.lru_cache(maxsize=64)
 def hash_seed(namespace: str) -> int:
     """The chain's root for a model / adapter identity (the empty string is a valid identity)."""
     return int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=_DIGEST, person=b"tidal-kv").digest(),
@@ -52,3 +58,33 @@ def block_hashes(token_ids: Sequence[int], block_size: int, seed: int, *, start:
         prev = blake(prev + buf[off:off + step], digest_size=_DIGEST).digest()
         out.append(int.from_bytes(prev, "little"))
     return out
+
+
+@dataclass(frozen=True)
+class HashScheme:
+    """What a prompt's block hashes depend on besides its tokens: the block size and the
+    namespace (model / adapter identity) of the unit that will look them up."""
+
+    block_size: int
+    namespace: str
+
+    def hash(self, token_ids: Sequence[int]) -> PromptHashes:
+        """The full blocks' hashes of a prompt under this scheme (the one `block_hashes` call)."""
+        return PromptHashes(self, block_hashes(token_ids, self.block_size, hash_seed(self.namespace)))
+
+
+@dataclass(frozen=True)
+class PromptHashes:
+    """A prompt's block hashes and the scheme that made them, carried from the front end."""
+
+    scheme: HashScheme
+    hashes: list[int]  # never mutated once made: shared by every reader of the request
+
+    def usable_for(self, scheme: HashScheme, num_prompt_tokens: int) -> list[int] | None:
+        """The hashes, if they are the ones `scheme` would compute for a prompt of this length;
+        None otherwise (another namespace or block size, a count that does not fit): the reader
+        then hashes the prompt itself. A hash of another namespace is never looked up, since
+        equal values there say nothing about equal KV here."""
+        if self.scheme != scheme or len(self.hashes) != num_prompt_tokens // scheme.block_size:
+            return None
+        return self.hashes

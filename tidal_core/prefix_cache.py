@@ -2,7 +2,7 @@
 
 Owns: `PrefixCachingBlockManager`, the `BlockManager` a unit uses when
 `SchedulerConfig.enable_prefix_caching` is on (the plain one stays as it is, and as fast, when
-it is off). A full block whose KV is computed is registered under its chained hash
+it is off). Full blocks whose KV is computed are registered under their chained hashes
 (core/block_hash.py); a later request whose prompt starts with the same blocks takes a
 reference to them instead of computing them. The rules that keep shared KV correct:
 
@@ -14,66 +14,71 @@ reference to them instead of computing them. The rules that keep shared KV corre
   blocks, and cached tokens are always a whole number of blocks;
 - a shared block is never written: a request's writes start at its first uncached block,
   and only full, computed blocks are ever shared;
-- freeing (finish, abort, preemption) drops references. A block whose count reaches 0 and
-  that holds a hash stays cached, *evictable*, in least-recently-freed order; it is evicted
-  (its hash forgotten) only when the list of clean free blocks runs dry. Evictable blocks
-  count as free for usage, admission and the watermark.
+- freeing (finish, abort, preemption) drops references. A block no table holds any more that
+  is cached stays *evictable*, findable, least recently freed first; it is evicted only when
+  the list of clean free blocks runs dry. Evictable blocks count as free for usage, admission
+  and the watermark.
 
-A block is in exactly one of three states: clean-free (no hash, in no table), evictable
-(hashed, in no table) or referenced (in one table or more, maybe hashed); `check_integrity`
-proves it. Speed: a block held by one request carries no count at all (only blocks in two
-tables or more have an entry in `_shared`), and freeing or registering a request whose blocks
-are not shared is a few C-level bulk operations, so the cache costs the scheduler little when
-it saves nothing.
+Blocks are cached by run (core/cache_run.py): the stretch of prompt blocks one request
+computed itself, keyed by its first hash only. A lookup compares the rest of a prompt's hashes
+with the run's by slices and goes on at the next run's key. A request that computed blocks a
+findable run already holds keeps its copies private (freed clean); a run whose owner would go
+on computing what a newer run holds stops there. Registering, freeing and evicting are a few
+operations per run and list slices per block, so the cache costs the scheduler little when it
+saves nothing, and requests without hashes never touch a run. When clean blocks run out, a
+run's evictable tail is evicted whole if that is at most 1/512 of the pool more than needed.
+
+A block is in exactly one of three states: clean-free (in `_free`), evictable (in a run, held
+by no table) or referenced (in one table or more); `check_integrity` proves it.
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Sequence
 
+from tidal_core.cache_run import CachedRun, Hits
 from tidal_core.kv_blocks import NO_NEW_BLOCK, BlockManager
+from tidal_core.prefix_cache_integrity import CacheState, check_cache_state
+
+_NO_HITS = Hits()  # the empty lookup result, shared: never mutated
 
 
 class PrefixCachingBlockManager(BlockManager):
-    __slots__ = ("_by_hash", "_evictable", "_hash_of", "_lru", "_lru_head", "_registered", "_shared", "_stale",
-                 "num_evictions")
+    __slots__ = ("_by_hash", "_evict_batch", "_holds", "_lru", "_num_evictable", "_own", "_start", "num_evictions")
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
         super().__init__(num_blocks, block_size, watermark)
-        self._by_hash: dict[int, int] = {}  # hash -> block
-        self._hash_of: dict[int, int] = {}  # block -> hash (referenced or evictable)
-        # Unreferenced hashed blocks: the set, and their order in `_lru[_lru_head:]` (least
-        # recently freed first). A block revived by a hit stays in `_lru` and is skipped when its
-        # entry comes up (`_stale` counts such entries per block): every update is a bulk one
-        # at C speed, where an OrderedDict costs a Python-level call per block.
-        self._evictable: set[int] = set()
-        self._lru: list[int] = []
-        self._lru_head = 0
-        self._stale: dict[int, int] = {}
-        self._shared: dict[int, int] = {}  # block -> references beyond the first (blocks in 2+ tables)
-        # request id -> leading blocks of its table already registered (or taken from the cache)
-        self._registered: dict[str, int] = {}
+        self._by_hash: dict[int, CachedRun] = {}  # a run's first hash -> the run
+        self._own: dict[str, CachedRun] = {}  # request id -> the run of blocks it computed
+        self._holds: dict[str, list[tuple[CachedRun, int]]] = {}  # request id -> the runs it hit, extents
+        self._start: dict[str, int] = {}  # request id -> leading blocks it took from the cache (if any)
+        # Runs with evictable blocks, least recently freed first; each is evicted from its tail.
+        self._lru: OrderedDict[CachedRun, None] = OrderedDict()
+        self._num_evictable = 0
+        # Evicting a run's whole tail at once may take this many blocks more than asked (1/512
+        # of the pool: none in a small one): one eviction then serves many takes.
+        self._evict_batch = num_blocks // 512
         self.num_evictions = 0
 
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + self._num_evictable
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free) - len(self._evictable)
+        return self.num_blocks - len(self._free) - self._num_evictable
 
     @property
     def num_cached_blocks(self) -> int:
         """Blocks findable by hash (referenced or evictable)."""
-        return len(self._by_hash)
+        return sum(run.end - run.start for run in self._by_hash.values())
 
     def usage(self) -> float:
-        return (self.num_blocks - len(self._free) - len(self._evictable)) / self.num_blocks
+        return (self.num_blocks - len(self._free) - self._num_evictable) / self.num_blocks
 
     def num_references(self) -> int:
         return sum(map(len, self._tables.values()))
@@ -81,18 +86,30 @@ class PrefixCachingBlockManager(BlockManager):
     def can_allocate(self, request_id: str, num_tokens: int, keep_free: int = 0) -> bool:
         return self.extra_blocks_needed(request_id, num_tokens) + keep_free <= self.num_free_blocks
 
-    def match(self, hashes: Sequence[int] | None, num_tokens: int) -> list[int]:
+    def match(self, hashes: Sequence[int] | None, num_tokens: int) -> Hits:
         """The cached blocks a request of `num_tokens` tokens with these block hashes would reuse:
-        the longest run of leading hashes found, leaving its last token to compute. Peeks only."""
-        if not hashes:
-            return []
-        limit = min(len(hashes), (num_tokens - 1) // self.block_size)
-        by_hash, hits = self._by_hash, []
-        for i in range(limit):
-            block = by_hash.get(hashes[i])
-            if block is None:
+        the longest run of leading hashes found, leaving its last token to compute. Peeks only;
+        the result is for `allocate_with` (do not mutate it)."""
+        if not hashes or hashes[0] not in self._by_hash:  # the common miss, at once
+            return _NO_HITS
+        limit = (num_tokens - 1) // self.block_size
+        if limit > len(hashes):
+            limit = len(hashes)
+        return self._walk(hashes if type(hashes) is list else list(hashes), limit)
+
+    def _walk(self, hashes: list[int], limit: int) -> Hits:
+        """The findable blocks agreeing with `hashes` from position 0, at most `limit`."""
+        by_hash, hits, i = self._by_hash, _NO_HITS, 0
+        while i < limit:
+            run = by_hash.get(hashes[i])
+            if run is None or run.start != i:
                 break
-            hits.append(block)
+            m = run.agreed_to(hashes, i, limit)
+            if hits is _NO_HITS:
+                hits = Hits()
+            hits += run.blocks[i:m]
+            hits.spans.append((run, m))
+            i = m
         return hits
 
     # ---- mutations -----------------------------------------------------------------------
@@ -101,60 +118,84 @@ class PrefixCachingBlockManager(BlockManager):
         nothing changed since); False, changing nothing, if it would leave under `keep_free` free."""
         if request_id in self._tables:
             raise ValueError(f"request {request_id!r} already holds blocks")
-        need = self.blocks_for(num_tokens) - len(hits)  # >= 1: the last token is never cached
+        need = -(-num_tokens // self.block_size) - len(hits)  # >= 1: the last token is never cached
         if not hits:
-            if need + keep_free > len(self._free) + len(self._evictable):
+            if need + keep_free > len(self._free) + self._num_evictable:
                 return False
             self._tables[request_id] = self._take(need)
-            self._registered[request_id] = 0
             return True
-        evictable, shared, stale = self._evictable, self._shared, self._stale
-        reviving = sum(map(evictable.__contains__, hits))
+        if not isinstance(hits, Hits):
+            raise ValueError("allocate_with takes the hits `match` returned")
+        reviving = sum(extent - run.held_to for run, extent in hits.spans if run.owner is None and extent > run.held_to)
         if need + reviving + keep_free > self.num_free_blocks:
             return False
-        for b in hits:
-            if b in evictable:
-                evictable.remove(b)
-                stale[b] = stale.get(b, 0) + 1
-            else:
-                shared[b] = shared.get(b, 0) + 1
-        self._tables[request_id] = hits + self._take(need)
-        self._registered[request_id] = len(hits)
+        lru = self._lru
+        for run, extent in hits.spans:
+            run.holders[request_id] = extent
+            if extent > run.held_to:
+                run.held_to = extent
+            if run in lru:  # a hit is a use
+                if run.end == run.held_to:
+                    del lru[run]
+                else:
+                    lru.move_to_end(run)
+        self._num_evictable -= reviving
+        self._tables[request_id] = [*hits, *self._take(need)]
+        self._start[request_id] = len(hits)
+        self._holds[request_id] = hits.spans
         return True
 
     def register(self, request_id: str, hashes: Sequence[int] | None, num_computed_tokens: int) -> None:
         """The request's first `num_computed_tokens` tokens now have KV: make its full blocks
-        among them findable by hash. A block whose hash another block already holds (two
-        requests computed the same prefix at once) stays private and is freed clean."""
-        done = self._registered.get(request_id)
-        if done is None or not hashes:
+        among them findable by hash. Blocks that duplicate findable ones (two requests computed
+        the same prefix at once) stay private and are freed clean."""
+        if not hashes:
             return
-        upto = min(num_computed_tokens // self.block_size, len(hashes))
-        if upto <= done:
+        run = self._own.get(request_id)
+        upto = num_computed_tokens // self.block_size
+        if upto > len(hashes):
+            upto = len(hashes)
+        if run is not None:  # the common case: one more chunk of its own run
+            if upto > run.end and not run.closed:
+                run.end = upto
             return
-        new_hashes, blocks = hashes[done:upto], self._tables[request_id][done:upto]
-        by_hash, hash_of = self._by_hash, self._hash_of
-        if by_hash.keys().isdisjoint(new_hashes):  # the common case, in bulk
-            by_hash.update(zip(new_hashes, blocks, strict=True))
-            hash_of.update(zip(blocks, new_hashes, strict=True))
-        else:
-            for h, block in zip(new_hashes, blocks, strict=True):
-                if h not in by_hash:
-                    by_hash[h] = block
-                    hash_of[block] = h
-        self._registered[request_id] = upto
+        table = self._tables.get(request_id)
+        start = self._start.get(request_id, 0)
+        if table is None or upto <= start:
+            return
+        hashes = hashes if type(hashes) is list else list(hashes)
+        reach, last = self._reach(hashes, upto)
+        p = reach if reach > start else start  # the findable path is never shorter than the request's hits
+        if p >= upto or hashes[p] in self._by_hash:
+            return  # a copy of findable blocks so far: asked again as more is computed
+        if last is not None and last.end == p and last.owner is not None and len(last.hashes) > p \
+                and last.hashes[p] == hashes[p]:
+            last.closed = True  # its owner would go on computing what this run holds: it stops here
+        run = CachedRun(request_id, p, upto, hashes, table)
+        self._own[request_id] = run
+        self._by_hash[hashes[p]] = run
+
+    def _reach(self, hashes: list[int], limit: int) -> tuple[int, CachedRun | None]:
+        """How far (at most `limit`) the findable blocks agree with `hashes`, and the last run
+        of that path."""
+        by_hash, i, last = self._by_hash, 0, None
+        while i < limit:
+            run = by_hash.get(hashes[i])
+            if run is None or run.start != i:
+                break
+            i, last = run.agreed_to(hashes, i, limit), run
+        return i, last
 
     def try_allocate(self, request_id: str, num_tokens: int, keep_free: int = 0) -> list[int] | None:
         table = self._tables.get(request_id)
         need = self.blocks_for(num_tokens) - (len(table) if table else 0)
         if need <= 0:
             return []
-        if need + keep_free > self.num_free_blocks:
+        if need + keep_free > len(self._free) + self._num_evictable:
             return None
         new = self._take(need)
         if table is None:
             self._tables[request_id] = list(new)
-            self._registered[request_id] = 0
         else:
             table.extend(new)
         return new
@@ -162,66 +203,68 @@ class PrefixCachingBlockManager(BlockManager):
     def append_slot(self, request_id: str, num_tokens: int) -> int | None:
         if (num_tokens - 1) % self.block_size:
             return NO_NEW_BLOCK
-        if not self._free and not self._evictable:
+        free = self._free
+        if free:
+            block = free.pop()
+        elif self._num_evictable:
+            block = self._take(1)[0]
+        else:
             return None
-        block = self._take(1)[0]
         table = self._tables.get(request_id)
         if table is None:
             self._tables[request_id] = [block]
-            self._registered[request_id] = 0
         else:
             table.append(block)
         return block
 
     def append_blocks(self, request_ids: list[str]) -> dict[str, list[int]] | None:
-        n = len(request_ids)
-        if n > self.num_free_blocks:
+        n, free = len(request_ids), self._free
+        if n <= len(free):
+            new = free[-n:]
+            del free[-n:]
+        elif n <= len(free) + self._num_evictable:
+            new = self._take(n)
+        else:
             return None
-        new = self._take(n)
         tables = self._tables
         for rid, block in zip(request_ids, new, strict=True):
             tables[rid].append(block)
         return {rid: [block] for rid, block in zip(request_ids, new, strict=True)}
 
     def free(self, request_id: str) -> int:
-        """Drop the request's references; blocks left unreferenced go back, hashed ones cached.
-        The tail of a prompt goes to the evictable list first, so it is evicted before its head."""
+        """Drop the request's references; its private blocks go back clean, its cached ones stay
+        findable. Its own run is queued for eviction before the runs it hit (the tail of a
+        prompt is evicted before its head)."""
         table = self._tables.pop(request_id, None)
-        registered = self._registered.pop(request_id, 0)
+        start = self._start.pop(request_id, 0)
+        run = self._own.pop(request_id, None)
+        spans = self._holds.pop(request_id, None)
         if not table:
             return 0
-        shared, hash_of = self._shared, self._hash_of
-        # Blocks past the registered ones were never hashed; the registered ones all are unless
-        # a copy of theirs was registered first. Neither shared: bulk moves.
-        unshared = not shared or shared.keys().isdisjoint(table)
-        if unshared and not registered:
-            self._free.extend(reversed(table))
-            return len(table)
-        head = table[:registered]
-        if unshared and sum(map(hash_of.__contains__, head)) == registered:
-            self._free.extend(reversed(table[registered:]))
-            head.reverse()
-            self._lru += head
-            self._evictable.update(head)
-            return len(table)
-        free, evictable, lru = self._free, self._evictable, self._lru
-        for b in reversed(table):
-            extra = shared.get(b)
-            if extra is not None:
-                if extra == 1:
-                    del shared[b]
-                else:
-                    shared[b] = extra - 1
-            elif b in hash_of:
-                evictable.add(b)
-                lru.append(b)
-            else:
-                free.append(b)
+        free, lru = self._free, self._lru
+        if run is None:
+            free.extend(reversed(table[start:] if start else table))
+        else:
+            free.extend(reversed(table[run.end:]))
+            if run.start > start:
+                free.extend(reversed(table[start:run.start]))
+            run.owner = None
+            if run.end > run.held_to:
+                self._num_evictable += run.end - run.held_to
+                lru[run] = None
+        if spans:
+            for hit_run, _ in reversed(spans):
+                self._num_evictable += hit_run.release(request_id)
+                if hit_run.owner is None and hit_run.end > hit_run.held_to:
+                    lru[hit_run] = None
+                    lru.move_to_end(hit_run)
         return len(table)
 
     def _take(self, n: int) -> list[int]:
-        """`n` (>= 1, at most `num_free_blocks`) blocks: clean ones first, then the least
-        recently freed cached ones, whose hashes are forgotten."""
+        """`n` (>= 1, at most `num_free_blocks`) blocks: clean ones first, then evicted ones from
+        the tails of the least recently freed runs (a run evicted to its start is forgotten). A
+        run's evictable tail goes whole when that is at most `_evict_batch` blocks more than
+        asked; the surplus joins the clean list, so the next takes are plain pops."""
         free = self._free
         if n <= len(free):
             new = free[-n:]
@@ -230,76 +273,32 @@ class PrefixCachingBlockManager(BlockManager):
             return new
         new = free[::-1]
         free.clear()
-        victims = self._pop_lru(n - len(new))
-        self._evictable.difference_update(victims)
-        # A C-level loop: deque(map(...), maxlen=0) runs the map for its side effects.
-        deque(map(self._by_hash.__delitem__, map(self._hash_of.pop, victims)), maxlen=0)
-        self.num_evictions += len(victims)
-        new += victims
+        k, lru, batch = n - len(new), self._lru, self._evict_batch
+        while k > 0:
+            run = next(iter(lru))
+            end, keep = run.end, run.held_to
+            t = end - keep if end - keep <= k + batch else k
+            victims = run.blocks[end - t:end]
+            victims.reverse()  # the tail first
+            if t > k:
+                free += victims[k:]
+                del victims[k:]
+            new += victims
+            k -= t
+            run.end = end - t
+            self._num_evictable -= t
+            self.num_evictions += t
+            if run.end == keep:
+                del lru[run]
+                if keep == run.start:
+                    del self._by_hash[run.hashes[run.start]]
         return new
-
-    def _pop_lru(self, k: int) -> list[int]:
-        """The `k` least recently freed evictable blocks, out of the order list."""
-        lru, stale, head = self._lru, self._stale, self._lru_head
-        victims = lru[head:head + k]
-        head += k
-        if stale and not stale.keys().isdisjoint(victims):
-            victims = []
-            head = self._lru_head
-            while len(victims) < k:
-                b = lru[head]
-                head += 1
-                left = stale.get(b)
-                if left is None:
-                    victims.append(b)
-                elif left == 1:
-                    del stale[b]
-                else:
-                    stale[b] = left - 1
-        if head > 4096 and head * 2 > len(lru):
-            del lru[:head]
-            head = 0
-        self._lru_head = head
-        return victims
 
     # ---- integrity -----------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Reference counts equal table entries; every block is exactly one of clean-free,
-        evictable or referenced; the hash table and the per-block hashes agree; no block is
-        both free and hashed (a free block could be rewritten while a lookup still finds it)."""
-        counts: dict[int, int] = {}
-        for rid, table in self._tables.items():
-            if not table:
-                raise AssertionError(f"request {rid} has an empty block table entry")
-            if len(set(table)) != len(table):
-                raise AssertionError(f"request {rid} holds a block twice")
-            for b in table:
-                counts[b] = counts.get(b, 0) + 1
-            if not 0 <= self._registered.get(rid, -1) <= len(table):
-                raise AssertionError(f"request {rid}: registered-block count out of range")
-        if set(self._registered) != set(self._tables):
-            raise AssertionError("registered-block counts kept for requests without a table")
-        extra = {b: c - 1 for b, c in counts.items() if c > 1}
-        if extra != self._shared:
-            bad = next(b for b in set(extra) | set(self._shared) if extra.get(b) != self._shared.get(b))
-            raise AssertionError(f"block {bad}: reference count {1 + self._shared.get(bad, 0)} but "
-                                 f"{counts.get(bad, 0)} table entries")
-        for b in self._free:
-            if b in counts or b in self._hash_of:
-                raise AssertionError(f"free block {b} is referenced or still hashed (free and dirty)")
-        for b in self._evictable:
-            if b in counts or b not in self._hash_of:
-                raise AssertionError(f"evictable block {b} is referenced or has no hash")
-        entries: dict[int, int] = {}
-        for b in self._lru[self._lru_head:]:
-            entries[b] = entries.get(b, 0) + 1
-        live = {b: c - self._stale.get(b, 0) for b, c in entries.items()}
-        if any(c not in (0, 1) for c in live.values()) or {b for b, c in live.items() if c} != self._evictable \
-                or not set(self._stale) <= set(entries):
-            raise AssertionError("the eviction order list disagrees with the evictable blocks")
-        pools = set(self._free) | set(self._evictable)
-        if len(pools) != len(self._free) + len(self._evictable) or len(counts) + len(pools) != self.num_blocks:
-            raise AssertionError("clean-free, evictable and referenced blocks do not partition the pool")
-        if len(self._by_hash) != len(self._hash_of) or any(self._hash_of.get(b) != h
-                                                           for h, b in self._by_hash.items()):
-            raise AssertionError("the hash table and the blocks' hashes disagree")
+        evictable or referenced; each run is keyed by its first hash, its blocks are findable
+        nowhere else, its owner and holders hold what it says; no free block is findable
+        (core/prefix_cache_integrity.py)."""
+        check_cache_state(CacheState(self._tables, self._free, self._by_hash, self._own, self._holds, self._start,
+                                     self._lru, self._num_evictable, self.num_blocks))

@@ -46,63 +46,96 @@ def _request(i: int, rng: random.Random, now: float, hashed: bool = False) -> Re
     prompt = rng.choice((16, 64, 128, 256, 512, 1024, 2048))
     req = Request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(16, 512)), now)
     if hashed:  # unique per request: the cache is consulted and filled, never hit
-        req.block_hashes = [(i << 12) | k for k in range(prompt // 16)]
+        req.block_hashes = list(range(i << 12, (i << 12) + prompt // 16))
     return req
+
+
+class BenchUnit:
+    """One scheduler at the bench's steady state, stepped one timed cycle at a time."""
+
+    def __init__(self, num_running: int, num_waiting: int, seed: int = 0, policy: str = "adaptive",
+                 prefix_caching: bool = False, hashed: bool = False) -> None:
+        self.rng = random.Random(seed)
+        self.hashed, self.num_waiting = hashed, num_waiting
+        base = SchedulerConfig(max_batch_size=num_running, max_num_batched_tokens=max(2048, num_running),
+                               max_model_len=4096, block_size=16, num_kv_blocks=num_running * 200,
+                               cuda_graph_buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+                               enable_prefix_caching=prefix_caching)
+        # Admission limits relaxed so the bench can hold a 4096-deep queue; the checks still run.
+        self.sched = Scheduler(preset(policy, base, admission=AdmissionConfig(max_queue_len=10**7,
+                                                                              target_ttft_s=1e9)))
+        self.ex = _CountingExecutor()
+        self.now, self.next_id = 0.0, 0
+        for _ in range(num_running):
+            self._arrive()
+        sched = self.sched
+        while len(sched.decodes) < num_running // 2 or sched.prefilling:  # fill the running batch
+            decision = sched.schedule(self.now)
+            assert isinstance(decision, Run)
+            self.now += 0.03
+            sched.on_step_done(decision.plan, self.ex.execute(decision.plan), self.now)
+        self.samples: list[float] = []
+        self.cpu_samples: list[float] = []
+
+    def _arrive(self) -> None:
+        self.sched.add_request(_request(self.next_id, self.rng, self.now, self.hashed), self.now)
+        self.next_id += 1
+
+    def cycle(self) -> None:
+        """Top the queue up (not timed), then time `schedule()` + `on_step_done()`."""
+        sched = self.sched
+        while sched.num_waiting < self.num_waiting:
+            self._arrive()
+        perf, cpu = time.perf_counter, time.thread_time
+        c0, t0 = cpu(), perf()
+        decision = sched.schedule(self.now)
+        t1, c1 = perf(), cpu()
+        assert isinstance(decision, Run)
+        result = self.ex.execute(decision.plan)
+        self.now += 0.03
+        c2, t2 = cpu(), perf()
+        sched.on_step_done(decision.plan, result, self.now)
+        t3, c3 = perf(), cpu()
+        self.samples.append((t1 - t0) + (t3 - t2))
+        self.cpu_samples.append((c1 - c0) + (c3 - c2))
+
+    def summary(self) -> dict[str, float]:
+        samples, cpu_samples = sorted(self.samples), sorted(self.cpu_samples)
+        return {
+            "p50_us": round(statistics.median(samples) * 1e6, 1),
+            "p99_us": round(samples[int(0.99 * (len(samples) - 1))] * 1e6, 1),
+            "mean_us": round(statistics.fmean(samples) * 1e6, 1),
+            # Thread CPU time: what the cycle costs when another process preempts this one (noisy box).
+            "cpu_p50_us": round(statistics.median(cpu_samples) * 1e6, 1),
+            "cpu_p99_us": round(cpu_samples[int(0.99 * (len(cpu_samples) - 1))] * 1e6, 1),
+            "cycles": len(samples),
+            "running": len(self.sched.decodes) + len(self.sched.prefilling),
+            "waiting": self.sched.num_waiting,
+        }
 
 
 def bench_scheduler(num_running: int, num_waiting: int, cycles: int, seed: int = 0,
                     policy: str = "adaptive", prefix_caching: bool = False,
                     hashed: bool | None = None) -> dict[str, float]:
     """`hashed` (default: as `prefix_caching`) gives every prompt unique block hashes."""
-    rng = random.Random(seed)
-    hashed = prefix_caching if hashed is None else hashed
-    base = SchedulerConfig(max_batch_size=num_running, max_num_batched_tokens=max(2048, num_running),
-                           max_model_len=4096, block_size=16, num_kv_blocks=num_running * 200,
-                           cuda_graph_buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
-                           enable_prefix_caching=prefix_caching)
-    # Admission limits relaxed so the bench can hold a 4096-deep queue; the checks still run.
-    sched = Scheduler(preset(policy, base, admission=AdmissionConfig(max_queue_len=10**7, target_ttft_s=1e9)))
-    ex = _CountingExecutor()
-    now, next_id = 0.0, 0
-    for _ in range(num_running):
-        sched.add_request(_request(next_id, rng, now, hashed), now)
-        next_id += 1
-    while len(sched.decodes) < num_running // 2 or sched.prefilling:  # fill the running batch
-        decision = sched.schedule(now)
-        assert isinstance(decision, Run)
-        now += 0.03
-        sched.on_step_done(decision.plan, ex.execute(decision.plan), now)
-    samples: list[float] = []
-    cpu_samples: list[float] = []
-    perf, cpu = time.perf_counter, time.thread_time
+    unit = BenchUnit(num_running, num_waiting, seed, policy, prefix_caching,
+                     prefix_caching if hashed is None else hashed)
     for _ in range(cycles):
-        while sched.num_waiting < num_waiting:
-            sched.add_request(_request(next_id, rng, now, hashed), now)
-            next_id += 1
-        c0, t0 = cpu(), perf()
-        decision = sched.schedule(now)
-        t1, c1 = perf(), cpu()
-        assert isinstance(decision, Run)
-        result = ex.execute(decision.plan)
-        now += 0.03
-        c2, t2 = cpu(), perf()
-        sched.on_step_done(decision.plan, result, now)
-        t3, c3 = perf(), cpu()
-        samples.append((t1 - t0) + (t3 - t2))
-        cpu_samples.append((c1 - c0) + (c3 - c2))
-    samples.sort()
-    cpu_samples.sort()
-    return {
-        "p50_us": round(statistics.median(samples) * 1e6, 1),
-        "p99_us": round(samples[int(0.99 * (len(samples) - 1))] * 1e6, 1),
-        "mean_us": round(statistics.fmean(samples) * 1e6, 1),
-        # Thread CPU time: what the cycle costs when another process preempts this one (noisy box).
-        "cpu_p50_us": round(statistics.median(cpu_samples) * 1e6, 1),
-        "cpu_p99_us": round(cpu_samples[int(0.99 * (len(cpu_samples) - 1))] * 1e6, 1),
-        "cycles": cycles,
-        "running": len(sched.decodes) + len(sched.prefilling),
-        "waiting": sched.num_waiting,
-    }
+        unit.cycle()
+    return unit.summary()
+
+
+def bench_interleaved(modes: dict[str, tuple[bool, bool]], num_running: int, num_waiting: int, cycles: int,
+                      seed: int = 0, policy: str = "adaptive") -> dict[str, dict[str, float]]:
+    """Several units (name -> (prefix_caching, hashed)), same seed, stepped in turn cycle by cycle,
+    the order reversed every other cycle: a shared machine's slow spells fall on each alike."""
+    units = {name: BenchUnit(num_running, num_waiting, seed, policy, on, hashed)
+             for name, (on, hashed) in modes.items()}
+    order = list(units.values())
+    for i in range(cycles):
+        for unit in (order if i % 2 == 0 else order[::-1]):
+            unit.cycle()
+    return {name: unit.summary() for name, unit in units.items()}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,6 +6,9 @@ request, detokenize and apply stop strings, render the response or the SSE event
 engine requests with the same prompt ids (choice `i` seeded `seed + i`), started together and read
 side by side; their choices carry `index`, the usage counts the prompt once. The usage reports
 the prompt's prefix-cache hit (`prompt_tokens_details.cached_tokens`) as the unit's chunks carry it.
+When the unit caches prefixes (`ModelInfo.hash_scheme`), the prompt's block hashes are computed
+here, once per request (for all `n` choices), and travel in the `GenerateRequest`: the request
+router and the unit read them instead of hashing the prompt again.
 
 Order of work for one request: model name -> prompt ids -> context length -> SamplingParams ->
 first engine chunk. Everything up to and including the first chunk raises `OpenAIError`, so a
@@ -46,6 +49,7 @@ from serve_app.openai.responses import ChatCompletionResponse, CompletionRespons
 from serve_app.openai.sampling_defaults import SamplingDefaults
 from serve_app.unit_api import GenerateChunk, GenerateRequest
 from serve_app.unit_stream import EngineClient, EngineStream, open_stream
+from tidal_core.block_hash import PromptHashes
 from tidal_core.request import SamplingParams
 from tidal_core.service_class import ServiceClass, service_class_of
 
@@ -56,6 +60,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/comple
 # about 5 ms of tokenizer work here) so that, in a burst, the front gate's refusals and the other
 # streams of this replica do not wait behind it (the tokenizer releases the GIL while it works).
 OFFLOAD_CHARS = 1024
+# Prompts at least this long are hashed off the event loop too (~4 us per 16-token block).
+OFFLOAD_HASH_TOKENS = 1024
 
 Renderer = CompletionRenderer | ChatRenderer
 
@@ -222,6 +228,15 @@ class OpenAIServer:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    async def _prompt_hashes(self, ids: list[int]) -> PromptHashes | None:
+        """The prompt's block hashes under the unit's scheme (None when the unit does not cache)."""
+        scheme = self.info.hash_scheme
+        if scheme is None:
+            return None
+        if len(ids) < OFFLOAD_HASH_TOKENS:
+            return scheme.hash(ids)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, scheme.hash, ids)
+
     def _max_tokens(self, num_prompt: int, budget: _Budget) -> int:
         asked, param, prompt_param = budget.asked, budget.param, budget.prompt_param
         limit = self.info.max_model_len
@@ -272,12 +287,13 @@ class OpenAIServer:
             deadline = asyncio.get_running_loop().time() + self.request_timeout_s
         many = len(renderers) > 1
         asked = _service_class(request)
+        hashes = await self._prompt_hashes(ids)
 
         async def start(index: int, renderer: Renderer) -> _Run:
             rid = f"{renderer.request_id}-{index}" if many else renderer.request_id
             params = sampling if not many or sampling.seed is None else \
                 replace(sampling, seed=sampling.seed + index)
-            gen = GenerateRequest(rid, ids, params, arrival_s, service_class=asked)
+            gen = GenerateRequest(rid, ids, params, arrival_s, service_class=asked, prompt_hashes=hashes)
             stream, first = await open_stream(self.engine, gen, deadline)
             if first.service_class is not None:  # the tier that serves it, as the unit says (not the one asked)
                 renderer.service_tier = first.service_class.tier_name

@@ -117,23 +117,70 @@ def test_decode_growth_and_appends_take_from_the_cache_when_needed() -> None:
     bm.check_integrity()
 
 
+def test_a_prefix_spread_over_several_runs_is_found_whole() -> None:
+    """System prompt, then two conversations on it, then a later turn of one: each request's
+    own blocks are one run keyed by its first hash; a lookup walks from run to run."""
+    bm = PrefixCachingBlockManager(num_blocks=64, block_size=2)
+    system = list(range(100, 110))  # 5 blocks
+    _filled(bm, "sys", [*system, 1])
+    _filled(bm, "c1", [*system, 7, 7, 7, 7, 1])  # hits 5 blocks, computes 2 of its own
+    _filled(bm, "c2", [*system, 8, 8, 8, 8, 1])
+    turn = [*system, 7, 7, 7, 7, 9, 9, 9, 9, 1]
+    hits = bm.match(block_hashes(turn, 2, SEED), len(turn))
+    assert hits == [*bm.table("sys")[:5], *bm.table("c1")[5:7]] and len(hits.spans) == 2
+    assert len(bm._by_hash) == 3 and bm.num_cached_blocks == 9
+    bm.check_integrity()
+    for rid in ("sys", "c1", "c2"):
+        bm.free(rid)
+    assert len(bm.match(block_hashes(turn, 2, SEED), len(turn))) == 7
+    bm.check_integrity()
+
+
+def test_a_run_stops_where_a_concurrent_copy_is_already_cached() -> None:
+    """a registers its first block; b hits it and computes the rest of the same prompt, which a
+    computes too: a's run ends where b's begins, and a lookup still finds every block once."""
+    bm = PrefixCachingBlockManager(num_blocks=32, block_size=2)
+    prompt = list(range(20, 31))  # 5 full blocks
+    hashes = block_hashes(prompt, 2, SEED)
+    assert bm.allocate_with("a", 11, [])
+    bm.register("a", hashes, 2)
+    assert bm.allocate_with("b", 11, bm.match(hashes, 11))
+    bm.register("b", hashes, 11)  # b's own run: blocks 1-4
+    bm.register("a", hashes, 11)  # a's copy of blocks 1-4 stays private
+    assert bm._own["a"].closed and bm._own["a"].end == 1
+    assert bm.match(hashes, 11) == [bm.table("a")[0], *bm.table("b")[1:5]]
+    bm.check_integrity()
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_cached_blocks == 5 and len(bm.match(hashes, 11)) == 5
+    bm.check_integrity()
+
+
 def test_integrity_catches_a_free_block_still_in_the_hash_table() -> None:
     bm = PrefixCachingBlockManager(num_blocks=4, block_size=2)
     _filled(bm, "a", [1, 2, 3])
     bm.free("a")
-    block = next(iter(bm._evictable))
-    bm._evictable.remove(block)
-    bm._free.append(block)  # free *and* still findable by hash: a later writer would corrupt a hit
+    run = next(iter(bm._lru))
+    bm._free.append(run.blocks[run.start])  # free *and* still findable: a later writer would corrupt a hit
+    bm._num_evictable -= 1
     with pytest.raises(AssertionError, match="free and dirty"):
         bm.check_integrity()
 
 
 def test_integrity_catches_a_wrong_reference_count() -> None:
-    bm = PrefixCachingBlockManager(num_blocks=4, block_size=2)
-    _filled(bm, "a", [1, 2, 3])
-    bm._shared[bm.table("a")[0]] = 1
+    bm = PrefixCachingBlockManager(num_blocks=8, block_size=2)
+    hashes = _filled(bm, "a", [1, 2, 3, 4, 5])
+    assert bm.allocate_with("b", 5, bm.match(hashes, 5))
+    bm.check_integrity()
+    run = bm._own["a"]  # forget b's hit, as if it had taken the blocks without counting them
+    del bm._holds["b"], bm._start["b"], run.holders["b"]
+    run.held_to = run.start
     with pytest.raises(AssertionError, match="reference count"):
         bm.check_integrity()
+
+
+def _references(bm: PrefixCachingBlockManager, live: dict[str, object], block: int) -> int:
+    return sum(block in bm.table(rid) for rid in live)
 
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 9, 9], [1, 2, 8], [5, 5, 5, 5, 5, 5, 5, 5, 5]]
@@ -165,7 +212,7 @@ def test_random_operations_keep_counts_hashes_and_contents_consistent(ops: list[
             table = bm.table(rid)
             for pos in range(done, upto):
                 block = table[pos // 2]
-                assert block not in bm._shared, "wrote into a shared block"
+                assert _references(bm, live, block) == 1, "wrote into a shared block"
                 content[block] = tuple(tokens[: pos + 1])
             bm.register(rid, hashes, upto)
             live[rid] = (tokens, hashes, upto)
@@ -173,7 +220,7 @@ def test_random_operations_keep_counts_hashes_and_contents_consistent(ops: list[
             tokens, hashes, done = live[rid]
             if done == len(tokens) and bm.append_slot(rid, len(tokens) + 1) is not None:
                 block = bm.table(rid)[len(tokens) // 2]
-                assert block not in bm._shared, "a decode wrote into a shared block"
+                assert _references(bm, live, block) == 1, "a decode wrote into a shared block"
                 content[block] = tuple([*tokens, 0])
                 live[rid] = ([*tokens, 0], hashes, done + 1)
         elif kind == "free":

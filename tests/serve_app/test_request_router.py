@@ -9,6 +9,7 @@ from typing import Any
 from serve_app.request_router import TidalRequestRouter, prompt_token_ids
 from serve_app.unit_api import GenerateRequest
 from tidal_core import SamplingParams, UnitLoad
+from tidal_core.block_hash import HashScheme, PromptHashes
 
 
 def replica(uid: str, delay: float = 0.0) -> Any:
@@ -56,3 +57,34 @@ def test_without_prompt_ids_or_with_prefix_routing_off_it_is_load_only() -> None
     r = router(prefix_routing=False)
     assert choose(r, [replica("a", 0.5), replica("b", 0.0)], pending(list(range(600)))) == "b"
     assert choose(router(), [replica("a", 0.5), replica("b", 0.0)], SimpleNamespace(args=[], kwargs={})) == "b"
+
+
+def test_the_router_reads_the_carried_hashes_and_hashes_only_without_them(monkeypatch: Any) -> None:
+    import tidal_core.block_hash as block_hash
+
+    calls: list[int] = []
+    original = block_hash.block_hashes
+
+    def counted(ids: list[int], *args: Any, **kwargs: Any) -> list[int]:
+        calls.append(len(ids))
+        return original(ids, *args, **kwargs)
+
+    monkeypatch.setattr(block_hash, "block_hashes", counted)
+    system = list(range(2000, 2512))
+    scheme = HashScheme(16, "")
+    made = [scheme.hash([*system, i]) for i in range(3)]
+    calls.clear()
+
+    def carrying(i: int, hashes: PromptHashes | None) -> Any:
+        return SimpleNamespace(args=[GenerateRequest("r", [*system, i], SamplingParams(), 0.0,
+                                                     prompt_hashes=hashes)], kwargs={})
+
+    r = router(block_size=16, index_blocks=4096)
+    replicas = [replica(f"u{i}") for i in range(3)]
+    first = choose(r, replicas, carrying(0, made[0]))
+    assert choose(r, replicas, carrying(1, made[1])) == first and calls == []  # used as carried
+    # Another namespace, another block size, no hashes: hashed here, under the router's own scheme.
+    other = [HashScheme(16, "other-model").hash([*system, 2]), HashScheme(8, "").hash([*system, 2]), None]
+    calls.clear()
+    assert all(choose(r, replicas, carrying(2, h)) == first for h in other)
+    assert calls == [513, 513, 513]
