@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from serve_app.auth import ApiKeyGate, ApiKeyMiddleware, document_auth, gate_from_args
+from serve_app.auth import ApiKeyGate, ApiKeyMiddleware, gate_from_args
 from serve_app.front_gate import FrontGate, FrontGateMiddleware, gate_headers
 from serve_app.key_usage import MeteredEngine
 from serve_app.memory_trim import start_trimming
@@ -57,6 +57,7 @@ from serve_app.openai.responses import (
 from serve_app.openai.sampling_defaults import read_generation_config, resolve_sampling_defaults
 from serve_app.openai.server import EventStream, OpenAIServer
 from serve_app.openai.validation import format_validation_errors
+from serve_app.openapi_doc import document_openapi
 from serve_app.unit_api import UNIT_REPLACED, EngineError, GenerateChunk, GenerateRequest, ModelInfo
 from tidal_core import AdmissionConfig, UnitLoad
 
@@ -203,29 +204,8 @@ def build_app(server: OpenAIServer | None = None, max_body_bytes: int = DEFAULT_
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_unexpected)
-    _document_400_not_422(app)
+    document_openapi(app)
     return app
-
-
-def _document_400_not_422(app: FastAPI) -> None:
-    """FastAPI documents 422 for every body; our validation errors are OpenAI's 400. With API keys
-    configured, the schema also declares the bearer scheme and the 401 (serve_app/auth.py)."""
-    build = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = build()
-            for path in schema.get("paths", {}).values():
-                for operation in path.values():
-                    operation.get("responses", {}).pop("422", None)
-            for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
-            if (gate := getattr(app.state, "auth_gate", None)) is not None:
-                document_auth(schema, gate, "#/components/schemas/ErrorResponse")
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
 
 
 app = build_app()
