@@ -196,7 +196,7 @@ class Scheduler:
         preempted = self.builder.grow_decodes(new_block_ids) if decodes.reqs else ()
         if yielded or preempted:
             self.completion.on_preempted(yielded, preempted)
-        sched = decodes.ones.copy()
+        sched = decodes.step_tokens()
         n_dec = len(sched)
         budget.take_decodes(n_dec)
         wanted = budget.tokens_left
@@ -234,8 +234,8 @@ class Scheduler:
                         n_dec, prefill_tokens, decodes.context_tokens, padded)
         self.q.pending_finished = []
         self._inflight = plan
-        self.stats.record_step(plan, now, regime.value, load, wait_s, reason, len(preempted), len(waiting),
-                               self.num_running, self.blocks.usage())
+        self.stats.record_step(plan, now, regime, load, wait_s, reason, len(preempted), len(waiting),
+                               len(decodes.reqs) + len(prefilling), self.blocks.usage())
         return Run(plan, reason)
 
     def on_step_done(self, plan: StepPlan, result: StepResult, now: float) -> StepOutputs:
