@@ -88,25 +88,24 @@ class DecodeSet:
 
     def add(self, req: Request) -> None:
         """`req` just gained a token and decodes from the next step on."""
-        rid = req.request_id
-        num_tokens = req.num_tokens
+        rid, out, step = req.request_id, req.output_token_ids, self.step
+        num_tokens = req.num_prompt_tokens + len(out)  # req.num_tokens, without the property call
         self.reqs[rid] = req
-        self.outs[rid] = req.output_token_ids
+        self.outs[rid] = out
         self._log.append((rid, True))
         seq = self._next_seq
         self._next_seq = seq + 1
         self._seq_of[rid] = seq
         self._ids.append(rid)
-        self._lists.append(req.output_token_ids)
+        self._lists.append(out)
         self._seqs.append(seq)
         self.context_tokens += num_tokens
         # The next step computes token index num_tokens-1; it opens a block when that index
         # is a multiple of block_size. That index minus the step counter is invariant.
-        phase = (num_tokens - 1 - self.step) % self.block_size
+        phase = (num_tokens - 1 - step) % self.block_size
         self._phases[phase][rid] = req
         self._phase_of[rid] = phase
-        due_step = self.step + self.length_limit(req) - len(req.output_token_ids)
-        self._due.setdefault(due_step, []).append(req)
+        self._due.setdefault(step + self.length_limit(req) - len(out), []).append(req)
 
     def remove(self, rid: str) -> Request:
         req = self.reqs.pop(rid)
@@ -114,7 +113,7 @@ class DecodeSet:
         self._log.append((rid, False))
         i = bisect_left(self._seqs, self._seq_of.pop(rid))
         del self._ids[i], self._lists[i], self._seqs[i]
-        self.context_tokens -= req.num_tokens
+        self.context_tokens -= req.num_prompt_tokens + len(req.output_token_ids)
         del self._phases[self._phase_of.pop(rid)][rid]
         return req  # a stale `_due` entry is skipped when its step comes
 
