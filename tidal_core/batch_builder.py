@@ -53,15 +53,15 @@ class BatchBuilder:
         """Give every decode opening a new block one; returns the requests preempted for KV."""
         q = self.queues
         blocks, decodes = q.blocks, q.decodes
-        group = decodes.needing_block()
-        if not group:
+        rids = decodes.needing_block_ids()
+        if not rids:
             return NO_PREEMPTIONS
-        granted = blocks.append_blocks([r.request_id for r in group])
+        granted = blocks.append_blocks(rids)
         if granted is not None:  # the common case: room for the whole phase group at once
             new_block_ids.update(granted)
             return NO_PREEMPTIONS
         preempted: list[Request] = []
-        for req in group:
+        for req in [decodes.reqs[rid] for rid in rids]:
             rid = req.request_id
             while rid in decodes.reqs:
                 block = blocks.append_slot(rid, req.num_tokens)

@@ -16,11 +16,6 @@ class StepBudget:
         self.tokens_left = max_tokens
         self.seqs_left = max_seqs
 
-    def take_decodes(self, n: int) -> None:
-        """Charge `n` decodes (one token and one sequence each); callers checked they fit."""
-        self.tokens_left -= n
-        self.seqs_left -= n
-
     def grant(self, wanted_tokens: int, allow_partial: bool) -> int:
         """How many of `wanted_tokens` one more sequence may run this step (0 = none)."""
         if self.seqs_left <= 0 or self.tokens_left <= 0:

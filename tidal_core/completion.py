@@ -44,8 +44,9 @@ class Completion:
         if (decodes := self.queues.decodes).reqs:
             decodes.append_tokens(sampled)
             self.stats.num_generated_tokens += len(decodes.reqs)
-            for req in self.queues.stop_hits(sampled):
-                self.finish(req, FinishReason.STOP, now, finished)
+            if self.queues.stop_set:
+                for req in self.queues.stop_hits(sampled):
+                    self.finish(req, FinishReason.STOP, now, finished)
             for req in decodes.due_by_length():
                 self.finish(req, FinishReason.LENGTH, now, finished)
         first = self._advance_prefills(plan, sampled, now, finished)

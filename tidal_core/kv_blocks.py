@@ -111,12 +111,16 @@ class BlockManager:
         n = len(request_ids)
         if n > len(free):
             return None
+        if not n:
+            return {}
         new = free[-n:]
         del free[-n:]
         tables = self._tables
-        for rid, block in zip(request_ids, new, strict=True):
+        granted: dict[str, list[int]] = {}
+        for rid, block in zip(request_ids, new, strict=True):  # one loop for both: it runs every step
             tables[rid].append(block)
-        return {rid: [block] for rid, block in zip(request_ids, new, strict=True)}
+            granted[rid] = [block]
+        return granted
 
     def free(self, request_id: str) -> int:
         """Return all blocks of a request to the free list; returns how many."""

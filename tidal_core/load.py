@@ -70,7 +70,9 @@ class ServiceModel:
         self._floor = [0.02 * self._theta[0], 0.0, 0.02 * self._theta[2], 0.02 * self._theta[3]]
         scale = max(self._theta[0], 1e-6) ** 2
         init = [max(v, 1e-3 * self._theta[0]) ** 2 for v in self._theta]
-        self._p = tuple(tuple(init[i] if i == j else 0.0 for j in range(4)) for i in range(4))
+        # The symmetric 4x4 covariance as its 10 distinct entries, row by row: p00 p01 p02 p03
+        # p11 p12 p13 p22 p23 p33.
+        self._p = (init[0], 0.0, 0.0, 0.0, init[1], 0.0, 0.0, init[2], 0.0, init[3])
         self._trace_cap = sum(init) + scale
         self._forget = forget
         self.num_observations = 0
@@ -100,22 +102,22 @@ class ServiceModel:
         if device_time_s <= 0.0 or not math.isfinite(device_time_s):
             return
         # Unrolled over the 10 distinct entries of the symmetric 4x4 covariance: this runs once
-        # per engine step, so it is written for speed (x0 = 1 always, x1 is 0 or 1).
+        # per engine step, so it is written for speed (x0 = 1 always, x1 is 0 or 1; `a if a > b
+        # else b` is max(b, a) without the call).
         x1 = 1.0 if prefill_tokens > 0 else 0.0
         x2, x3 = prefill_tokens / _P_SCALE, decode_seqs / _D_SCALE
-        (p00, p01, p02, p03), (_, p11, p12, p13), (_, _, p22, p23), (_, _, _, p33) = self._p
+        p00, p01, p02, p03, p11, p12, p13, p22, p23, p33 = self._p
         px0 = p00 + p01 * x1 + p02 * x2 + p03 * x3
         px1 = p01 + p11 * x1 + p12 * x2 + p13 * x3
         px2 = p02 + p12 * x1 + p22 * x2 + p23 * x3
         px3 = p03 + p13 * x1 + p23 * x2 + p33 * x3
         inv_d = 1.0 / (self._forget + px0 + x1 * px1 + x2 * px2 + x3 * px3)
         k0, k1, k2, k3 = px0 * inv_d, px1 * inv_d, px2 * inv_d, px3 * inv_d
-        th, fl = self._theta, self._floor
-        err = device_time_s - (th[0] + th[1] * x1 + th[2] * x2 + th[3] * x3)
-        th[0] = max(fl[0], th[0] + k0 * err)
-        th[1] = max(fl[1], th[1] + k1 * err)
-        th[2] = max(fl[2], th[2] + k2 * err)
-        th[3] = max(fl[3], th[3] + k3 * err)
+        th, (f0, f1, f2, f3) = self._theta, self._floor
+        t0, t1, t2, t3 = th
+        err = device_time_s - (t0 + t1 * x1 + t2 * x2 + t3 * x3)
+        t0, t1, t2, t3 = t0 + k0 * err, t1 + k1 * err, t2 + k2 * err, t3 + k3 * err
+        th[:] = (t0 if t0 > f0 else f0, t1 if t1 > f1 else f1, t2 if t2 > f2 else f2, t3 if t3 > f3 else f3)
         # P <- (P - k px^T) / forget, then bounded against wind-up.
         f = 1.0 / self._forget
         p00, p01, p02, p03 = (p00 - k0 * px0) * f, (p01 - k0 * px1) * f, (p02 - k0 * px2) * f, (p03 - k0 * px3) * f
@@ -126,7 +128,7 @@ class ServiceModel:
             c = self._trace_cap / trace
             p00, p01, p02, p03, p11, p12, p13, p22, p23, p33 = (
                 p00 * c, p01 * c, p02 * c, p03 * c, p11 * c, p12 * c, p13 * c, p22 * c, p23 * c, p33 * c)
-        self._p = ((p00, p01, p02, p03), (p01, p11, p12, p13), (p02, p12, p22, p23), (p03, p13, p23, p33))
+        self._p = (p00, p01, p02, p03, p11, p12, p13, p22, p23, p33)
         self.num_observations += 1
 
     def drain_time(self, prefill_tokens: int, decode_seqs: int, prefill_tokens_per_step: int) -> float:

@@ -14,12 +14,23 @@ Executors keep per-request state from those and apply the diffs of later plans.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar, dataclass_transform
 
 from tidal_core.request import Request, SamplingParams
 
+_T = TypeVar("_T")
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass_transform(frozen_default=True)
+def step_message(cls: type[_T]) -> type[_T]:
+    """The messages built every step (`StepPlan`, `NewRequestData`, `StepResult`, `Run`): slotted
+    dataclasses, read-only by contract. The type checker sees them frozen (assigning a field is
+    an error); at run time they are plain slotted dataclasses, because a frozen dataclass sets
+    every field through `object.__setattr__` and its constructor costs ~4x as much."""
+    return dataclass(slots=True)(cls)
+
+
+@step_message
 class NewRequestData:
     """A request an executor has not seen (admitted, or resumed after preemption).
 
@@ -37,12 +48,14 @@ class NewRequestData:
     num_computed_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@step_message
 class StepPlan:
     """One engine step.
 
     `num_scheduled_tokens` maps request id -> tokens computed this step: every running
-    decode (1 token each, in running order) first, then prefill chunks. Executors track
+    decode (1 token each, in running order) first, then prefill chunks. It is the scheduler's
+    own dict, reused from step to step (core/decode_set.py): read it, never write it, and copy
+    it to keep it past the next `schedule()` call, which updates it in place. Executors track
     each request's context themselves (from `new_requests` and the tokens of earlier plans);
     `prefill_context` repeats it for the prefill chunks (few per step, and what a cost
     model needs) and `decode_context_tokens` sums the KV length the decodes attend over.
@@ -76,7 +89,7 @@ class StepPlan:
         return not self.num_scheduled_tokens
 
 
-@dataclass(frozen=True, slots=True)
+@step_message
 class StepResult:
     """What an executor returns for a plan.
 
@@ -91,7 +104,7 @@ class StepResult:
     logprobs: dict[str, list[tuple[int, float]]] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@step_message
 class Run:
     plan: StepPlan
     reason: str

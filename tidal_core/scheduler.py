@@ -189,16 +189,15 @@ class Scheduler:
         if now >= self._next_observe_s:
             self._observe(now)
         load, regime, cap = self.last_load, self.regime.regime, self.limits.running_cap
-        budget = StepBudget(cfg.max_num_batched_tokens, cfg.max_batch_size)
         new_block_ids: dict[str, list[int]] = {}
         lane = self.lane
-        yielded = lane.yield_to_interactive(cap) if lane is not None and waiting else ()
+        yielded = lane.yield_to_interactive(cap) if lane is not None and waiting and q.num_batch_running else ()
         preempted = self.builder.grow_decodes(new_block_ids) if decodes.reqs else ()
         if yielded or preempted:
             self.completion.on_preempted(yielded, preempted)
-        sched = decodes.ones.copy()
+        sched = decodes.step_tokens()
         n_dec = len(sched)
-        budget.take_decodes(n_dec)
+        budget = StepBudget(cfg.max_num_batched_tokens - n_dec, cfg.max_batch_size - n_dec)  # decodes first
         wanted = budget.tokens_left
         interactive_work = bool(waiting) or q.prefill_remaining > q.batch_prefill_remaining
         batch_work = lane is not None and (bool(q.batch) or q.batch_prefill_remaining > 0)
@@ -217,15 +216,15 @@ class Scheduler:
                 return launched
             admitted, reason, wait_s = launched
             prefill_tokens += admitted
-        batch_tokens = 0 if lane is None else lane.fill_step(now, budget, sched, prefill_ctx, new_reqs, n_dec,
-                                                             prefill_tokens, self.sizer, self.load, load,
-                                                             cap - self.num_running)
+        batch_tokens = 0 if lane is None or not batch_work or waiting else lane.fill_step(
+            now, budget, sched, prefill_ctx, new_reqs, n_dec, prefill_tokens, self.sizer, self.load, load,
+            cap - len(decodes.reqs) - len(prefilling))
         prefill_tokens += batch_tokens
         if not sched:
             raise AssertionError(f"nothing schedulable with {len(waiting)} waiting and {self.num_running} running")
         if budget.tokens_left <= 0 < wanted and allowance < wanted and interactive_work:
             self.stats.tpot_limited_steps += 1
-        if lane is not None:
+        if lane is not None and q.num_batch_running:
             lane.started_step(batch_tokens)
         preempted = [*yielded, *preempted] if yielded else preempted
         padded = self.buckets.pad_step(n_dec, prefill_tokens)
@@ -234,8 +233,8 @@ class Scheduler:
                         n_dec, prefill_tokens, decodes.context_tokens, padded)
         self.q.pending_finished = []
         self._inflight = plan
-        self.stats.record_step(plan, now, regime.value, load, wait_s, reason, len(preempted), len(waiting),
-                               self.num_running, self.blocks.usage())
+        self.stats.record_step(plan, now, regime, load, wait_s, reason, len(preempted), len(waiting),
+                               len(decodes.reqs) + len(prefilling), self.blocks.usage())
         return Run(plan, reason)
 
     def on_step_done(self, plan: StepPlan, result: StepResult, now: float) -> StepOutputs:
@@ -261,7 +260,8 @@ class Scheduler:
         self.tpot.on_step_done(now, plan.num_decode_seqs)
         if self._had_backlog:
             self.load.prefill.on_step(now, now - self._scheduled_at, plan.num_prefill_tokens)
-        self.limits.on_step_done(now, plan.num_decode_seqs)
+        if self.sizer is not None:
+            self.limits.on_step_done(now, plan.num_decode_seqs)
         sampled = result.sampled_token_ids
         if self._aborted_inflight:
             aborted = self._aborted_inflight

@@ -2,7 +2,8 @@
 
 Owns: `SchedulerStats` (cumulative counters a driver exports as metrics) and `RequestTimes`
 (one finished request's timeline, for latency metrics). Per-step detail is the `StepStats`
-record of core/plan.py, kept as `last_step` for drivers that export it.
+record of core/plan.py: `last_step`, built when a driver reads it from what `record_step`
+kept (a step's arguments, not a new object each step); `last_wait_s` is its micro-wait alone.
 
 Reason labels (stable; dashboards and alerts use them):
 - dispatch: immediate, join, full, budget, microwait_expired, wait_expired, decode_only
@@ -84,7 +85,11 @@ class SchedulerStats:
     prefix_cache_hit_tokens: int = 0
     prefix_cache_query_requests: int = 0
     prefix_cache_hit_requests: int = 0
-    last_step: StepStats | None = None
+    # The last step's `record_step` arguments; `last_step` builds its StepStats from them.
+    _last_args: tuple[StepPlan, int, float, str, float, float, str, int, int, int, float] | None = field(
+        default=None, repr=False, compare=False)
+    _last_built: StepStats | None = field(default=None, repr=False, compare=False)
+    last_wait_s: float = 0.0
     preempted_by_class: Counter[str] = field(default_factory=Counter)
     preempted_by: Counter[tuple[str, str]] = field(default_factory=Counter)
     num_batch_arrived: int = 0
@@ -103,12 +108,27 @@ class SchedulerStats:
 
     def record_step(self, plan: StepPlan, now: float, regime: str, load: float, wait_s: float, reason: str,
                     num_preempted: int, num_waiting: int, num_running: int, kv_usage: float) -> None:
+        """Count a step; `regime` may be a `Regime` (a str enum: its value is recorded)."""
         self.num_steps += 1
         self.dispatch[reason] += 1
-        self.last_step = StepStats(now, plan.step_id, len(plan.num_scheduled_tokens), plan.num_decode_seqs +
-                                   plan.num_prefill_tokens, plan.num_decode_seqs, plan.num_prefill_tokens,
-                                   len(plan.new_requests), plan.padded_batch_size, num_waiting, num_running,
-                                   kv_usage, regime, load, wait_s, reason, num_preempted)
+        self.last_wait_s = wait_s
+        self._last_args = (plan, len(plan.num_scheduled_tokens), now, regime, load, wait_s, reason, num_preempted,
+                           num_waiting, num_running, kv_usage)
+        self._last_built = None
+
+    @property
+    def last_step(self) -> StepStats | None:
+        """What the last scheduled step looked like (None before the first)."""
+        args = self._last_args
+        if args is None:
+            return None
+        if self._last_built is None:
+            plan, num_seqs, now, regime, load, wait_s, reason, num_preempted, num_waiting, num_running, kv_usage = args
+            self._last_built = StepStats(now, plan.step_id, num_seqs, plan.num_decode_seqs +
+                                         plan.num_prefill_tokens, plan.num_decode_seqs, plan.num_prefill_tokens,
+                                         len(plan.new_requests), plan.padded_batch_size, num_waiting, num_running,
+                                         kv_usage, str(regime), load, wait_s, reason, num_preempted)
+        return self._last_built
 
     @property
     def num_rejected(self) -> int:

@@ -189,8 +189,7 @@ class Simulation:
             unit.inflight = (plan, result)
             unit.busy_s += result.device_time_s
             self.samples.batch_size.append(plan.num_seqs)
-            stats = unit.sched.stats.last_step
-            self.samples.wait_ms.append(stats.wait_s * 1000.0 if stats else 0.0)
+            self.samples.wait_ms.append(unit.sched.stats.last_wait_s * 1000.0)
             heapq.heappush(self.heap, (now + result.device_time_s, next(self._seq), unit.uid, unit.token))
         elif type(decision) is WaitUntil:
             heapq.heappush(self.heap, (decision.deadline_s, next(self._seq), unit.uid, unit.token))
