@@ -160,20 +160,25 @@ class PrefixCachingBlockManager(BlockManager):
                 run.end = upto
             return
         table = self._tables.get(request_id)
-        start = self._start.get(request_id, 0)
-        if table is None or upto <= start:
+        if table is None:
             return
         hashes = hashes if type(hashes) is list else list(hashes)
+        by_hash = self._by_hash
+        if request_id not in self._start and hashes[0] not in by_hash:  # no hit, nothing like it cached
+            if upto:
+                self._own[request_id] = by_hash[hashes[0]] = CachedRun(request_id, 0, upto, hashes, table)
+            return
+        start = self._start.get(request_id, 0)
+        if upto <= start:
+            return
         reach, last = self._reach(hashes, upto)
         p = reach if reach > start else start  # the findable path is never shorter than the request's hits
-        if p >= upto or hashes[p] in self._by_hash:
+        if p >= upto or hashes[p] in by_hash:
             return  # a copy of findable blocks so far: asked again as more is computed
         if last is not None and last.end == p and last.owner is not None and len(last.hashes) > p \
                 and last.hashes[p] == hashes[p]:
             last.closed = True  # its owner would go on computing what this run holds: it stops here
-        run = CachedRun(request_id, p, upto, hashes, table)
-        self._own[request_id] = run
-        self._by_hash[hashes[p]] = run
+        self._own[request_id] = by_hash[hashes[p]] = CachedRun(request_id, p, upto, hashes, table)
 
     def _reach(self, hashes: list[int], limit: int) -> tuple[int, CachedRun | None]:
         """How far (at most `limit`) the findable blocks agree with `hashes`, and the last run
