@@ -124,7 +124,8 @@ class Scheduler:
         n_dec = len(self.decodes.reqs)
         slots_short = len(self.waiting) + 1 - (self._running_cap - self.num_running + self.q.num_batch_running)
         return self.predictor.predict(now, self.backlog_prefill_tokens() + own_prompt_tokens, n_dec, slots_short,
-                                      self.config.max_num_batched_tokens - n_dec, corrected)
+                                      self.config.max_num_batched_tokens - n_dec, corrected,
+                                      self.lane.delay_s(now) if self.lane is not None else 0.0)
 
     def unit_state(self, now: float, req: Request, queue_delay_s: float | None = None) -> UnitState:
         """What admission sees for `req`; its predicted TTFT is the client's: time spent before the
@@ -238,7 +239,7 @@ class Scheduler:
         if budget.tokens_left <= 0 < wanted and allowance < wanted and interactive_work:
             self.stats.tpot_limited_steps += 1
         if lane is not None:
-            lane.started_step(batch_tokens)
+            lane.started_step(now, batch_tokens, prefill_tokens, n_dec, self.load.service)
         preempted = [*yielded, *preempted] if yielded else preempted
         padded = self.buckets.pad_step(n_dec, prefill_tokens)
         self._step_id += 1
