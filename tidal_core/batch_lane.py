@@ -170,7 +170,9 @@ class BatchLane:
         """How much later the step in flight ends, predicted, than it would without its batch
         work: the wait a prompt arriving now owes to batch work (0 when none is in flight)."""
         end, own_end = self._ends
-        return max(0.0, end - now) - max(0.0, own_end - now) if end > now else 0.0
+        if end <= now or not self.config.predict_wait:
+            return 0.0
+        return (end - now) - max(0.0, own_end - now)
 
     def step_done(self, now: float, stats: SchedulerStats) -> None:
         """The step in flight ended: its batch tokens count, and train the drain rate."""

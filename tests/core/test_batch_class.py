@@ -204,10 +204,10 @@ def test_the_bank_reserve_scales_with_interactive_load() -> None:
 
 
 
-def _batch_step_in_flight(interactive: bool) -> tuple[Scheduler, FakeExecutor, Run, float]:
+def _batch_step_in_flight(interactive: bool, **batch: object) -> tuple[Scheduler, FakeExecutor, Run, float]:
     """A unit whose step in flight (planned at the returned time) holds batch prompt tokens,
     alone or beside an interactive decode."""
-    s = Scheduler(_config())
+    s = Scheduler(_config(**batch))
     ex, now = FakeExecutor(time_fn=_time), 0.0
     if interactive:
         s.add_request(_req("i0", 64, 200, now), now)
@@ -247,3 +247,11 @@ def test_a_prompt_arriving_during_a_batch_step_is_predicted_to_wait_for_its_batc
     result = ex.execute(plan)
     s.on_step_done(plan, result, start + result.device_time_s)
     assert lane.delay_s(start + result.device_time_s) == 0.0, "no batch work in flight: nothing to wait for"
+
+
+def test_without_predict_wait_the_prediction_leaves_the_batch_wait_to_the_correction() -> None:
+    s, _, _, start = _batch_step_in_flight(False, predict_wait=False)
+    assert s.lane is not None and s.lane.delay_s(start + 0.001) == 0.0
+    predicted = s.predicted_queue_delay_s(start + 0.001, 100, corrected=False)
+    assert predicted == s.predictor.predict(start + 0.001, s.backlog_prefill_tokens() + 100, len(s.decodes.reqs), 0,
+                                            s.config.max_num_batched_tokens - len(s.decodes.reqs), corrected=False)
