@@ -39,9 +39,9 @@ class BatchClassConfig:
     enabled: bool = True
     max_queue_tokens: int = 4_194_304
     max_kv_usage: float = 0.9
-    step_fraction: float = 0.9
+    step_fraction: float = 1.0
     bank_reserve_steps: float = 20.0
-    reserve_full_load: float = 1.0
+    reserve_full_load: float = 1.25
     min_retry_after_s: float = 1.0
     max_retry_after_s: float = 3600.0
     drain_tau_s: float = 60.0
