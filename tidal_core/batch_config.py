@@ -30,19 +30,22 @@ class BatchClassConfig:
     scaled by the interactive load over `reserve_full_load` (capped at 1; 0: never scaled),
     so a quiet unit, whose next prompt is further away, keeps less; batch requests
     start only while KV usage is below `max_kv_usage`, and they are preempted first when
-    interactive requests need the batch slot or its KV. Off (`enabled=False`), a batch
+    interactive requests need the batch slot or its KV. With `predict_wait`, the TTFT
+    prediction adds what the batch work in the step in flight delays the next step (False, an
+    ablation: the learned correction ratio absorbs it). Off (`enabled=False`), a batch
     request is served as an interactive one (the "no batch class" comparison).
     """
 
     enabled: bool = True
     max_queue_tokens: int = 4_194_304
     max_kv_usage: float = 0.9
-    step_fraction: float = 0.9
+    step_fraction: float = 1.0
     bank_reserve_steps: float = 20.0
-    reserve_full_load: float = 1.0
+    reserve_full_load: float = 1.25
     min_retry_after_s: float = 1.0
     max_retry_after_s: float = 3600.0
     drain_tau_s: float = 60.0
+    predict_wait: bool = True
 
     def __post_init__(self) -> None:
         _require(self.max_queue_tokens >= 1,

@@ -19,7 +19,13 @@ core/batch_config.py; its queue is `BatchQueue`, held by `UnitQueues`):
   within the aim;
 - **yielding**: when interactive requests wait for a running slot, or the oldest of them for
   KV, the most recently admitted batch requests are preempted (recomputed later, from the
-  head of the batch queue) before anything else is touched: reason `batch_yield`.
+  head of the batch queue) before anything else is touched: reason `batch_yield`;
+- **the wait it causes**: a step cannot be cut short, so a prompt arriving while batch work is
+  in flight waits for it; `delay_s` is how much later the step in flight ends than it would
+  without its batch part (predicted by the step model when the step was planned), and the
+  TTFT prediction adds it (core/predictor.py). Without it the measured/predicted correction
+  absorbed this wait as a ratio, which over-states a long prediction: admission refused
+  prompts near the TTFT target that would have met it.
 
 No batch request is dropped here: each one either waits, runs, or was refused at arrival.
 
@@ -43,7 +49,7 @@ from tidal_core.step_sizer import StepSizer
 
 
 class BatchLane:
-    __slots__ = ("_drain", "_measured", "_step", "builder", "config", "keep_free_blocks", "queues")
+    __slots__ = ("_drain", "_ends", "_measured", "_step", "builder", "config", "keep_free_blocks", "queues")
 
     def __init__(self, config: BatchClassConfig, queues: UnitQueues, builder: BatchBuilder) -> None:
         self.config = config
@@ -52,6 +58,7 @@ class BatchLane:
         self._drain = RateEstimator(config.drain_tau_s)
         self._measured = False
         self._step = (0, 0)  # batch prompt tokens and batch decodes of the step in flight
+        self._ends = (0.0, 0.0)  # when the step in flight ends, predicted: as planned, and without its batch work
         blocks = queues.blocks
         # A new batch request must leave this many blocks free: usage stays within max_kv_usage.
         self.keep_free_blocks = max(blocks.watermark_blocks,
@@ -146,14 +153,30 @@ class BatchLane:
                                      not sched, sizer.min_bank_s() if sizer else math.inf, interactive_load)
         return self.fill(now, budget, sched, prefill_ctx, new_reqs, limit, room)
 
-    def started_step(self, batch_tokens: int) -> None:
-        """The step just planned holds `batch_tokens` batch prompt tokens (and every batch decode)."""
+    def started_step(self, now: float, batch_tokens: int, prefill_tokens: int, num_decodes: int,
+                     svc: ServiceModel) -> None:
+        """The step planned at `now` holds `batch_tokens` batch prompt tokens (of `prefill_tokens`)
+        and every batch decode (of `num_decodes`): count them, and predict when the step ends
+        with its batch work and without it (`delay_s`)."""
         q = self.queues
         if q.num_batch_running:
-            self._step = (batch_tokens, q.num_batch_running - sum(r.is_batch for r in q.prefilling.values()))
+            batch_decodes = q.num_batch_running - sum(r.is_batch for r in q.prefilling.values())
+            self._step = (batch_tokens, batch_decodes)
+            own_tokens, own_decodes = prefill_tokens - batch_tokens, num_decodes - batch_decodes
+            own_s = svc.step_time(own_tokens, own_decodes) if own_tokens or own_decodes else 0.0
+            self._ends = (now + svc.step_time(prefill_tokens, num_decodes), now + own_s)
+
+    def delay_s(self, now: float) -> float:
+        """How much later the step in flight ends, predicted, than it would without its batch
+        work: the wait a prompt arriving now owes to batch work (0 when none is in flight)."""
+        end, own_end = self._ends
+        if end <= now or not self.config.predict_wait:
+            return 0.0
+        return (end - now) - max(0.0, own_end - now)
 
     def step_done(self, now: float, stats: SchedulerStats) -> None:
         """The step in flight ended: its batch tokens count, and train the drain rate."""
+        self._ends = (0.0, 0.0)
         if self._step != (0, 0):
             batch_tokens, batch_decodes = self._step
             self._step = (0, 0)

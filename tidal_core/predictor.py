@@ -3,8 +3,11 @@
 Owns: `TtftPredictor`, the one prediction admission control, the regime detector, routing
 (through `UnitLoad`) and the metrics read, and its measured error. The prediction is
 
-    ttft = (prefill_s + slot_s) x correction
+    ttft = (batch_s + prefill_s + slot_s) x correction
 
+- `batch_s`: what batch-class work in the step in flight adds before the next step can start
+  (core/batch_lane.py, `BatchLane.delay_s`; 0 without the batch class): an additive wait that
+  comes and goes with the trough's batch work, which a learned ratio cannot follow;
 - `prefill_s`: draining the prefill backlog (waiting prompts, unfinished chunks and, for a
   request's own TTFT, its prompt) at the prefill speed measured while prompts were queued
   (`PrefillThroughput`); before there is such a measurement, the fitted step model with the
@@ -37,9 +40,10 @@ class TtftPredictor:
         self.ratio_sum = 0.0
 
     def predict(self, now: float, backlog_tokens: int, num_decodes: int, slots_short: int, per_step_tokens: int,
-                corrected: bool = True) -> float:
+                corrected: bool = True, batch_s: float = 0.0) -> float:
         """Seconds until `backlog_tokens` of prompts are computed, plus the wait for a batch slot
-        when `slots_short` requests more than the free room must leave the running batch first."""
+        when `slots_short` requests more than the free room must leave the running batch first,
+        plus `batch_s`, what batch-class work in the step in flight adds before the next step."""
         load = self.load
         measured = load.prefill.rate(now)
         if measured is not None:
@@ -47,7 +51,7 @@ class TtftPredictor:
         else:
             prefill_s = load.service.drain_time(backlog_tokens, num_decodes, max(1, per_step_tokens))
         slot_s = slots_short / load.departure_rate(now) if slots_short > 0 else 0.0
-        return (prefill_s + slot_s) * (load.ttft_correction.factor(now) if corrected else 1.0)
+        return (batch_s + prefill_s + slot_s) * (load.ttft_correction.factor(now) if corrected else 1.0)
 
     def on_first_token(self, req: Request, now: float) -> None:
         """`req` got its first token at `now`: stamp it, with the prediction's error."""

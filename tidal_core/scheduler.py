@@ -71,7 +71,7 @@ class Scheduler:
         self.limits = StepLimits(config, self.q, self.load, self.regime, now)
         self.sizer = self.limits.sizer
         self.tpot = TpotMeter()
-        self.view = UnitView(config, self.q, self.load, self.predictor, self.regime, self.limits, self.tpot)
+        self.view = UnitView(config, self.q, self.load, self.predictor, self.regime, self.limits, self.tpot, self.lane)
         self.completion = Completion(self.q, self.stats, self.load, self.predictor, self.sizer)
         self.last_load = 0.0
         self._inflight: StepPlan | None = None
@@ -225,7 +225,7 @@ class Scheduler:
         if budget.tokens_left <= 0 < wanted and allowance < wanted and interactive_work:
             self.stats.tpot_limited_steps += 1
         if lane is not None and q.num_batch_running:
-            lane.started_step(batch_tokens)
+            lane.started_step(now, batch_tokens, prefill_tokens, n_dec, self.load.service)
         preempted = [*yielded, *preempted] if yielded else preempted
         padded = self.buckets.pad_step(n_dec, prefill_tokens)
         self._step_id += 1

@@ -18,6 +18,7 @@ Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall cl
 from __future__ import annotations
 
 from tidal_core.admission import UnitState
+from tidal_core.batch_lane import BatchLane
 from tidal_core.config import SchedulerConfig
 from tidal_core.load import LoadEstimator
 from tidal_core.predictor import TtftPredictor
@@ -30,10 +31,11 @@ from tidal_core.tpot_meter import TpotMeter
 
 
 class UnitView:
-    __slots__ = ("_max_tokens", "_target_tpot_s", "limits", "load", "predictor", "queues", "regime", "tpot")
+    __slots__ = ("_max_tokens", "_target_tpot_s", "lane", "limits", "load", "predictor", "queues", "regime", "tpot")
 
     def __init__(self, config: SchedulerConfig, queues: UnitQueues, load: LoadEstimator, predictor: TtftPredictor,
-                 regime: RegimeDetector, limits: StepLimits, tpot: TpotMeter) -> None:
+                 regime: RegimeDetector, limits: StepLimits, tpot: TpotMeter, lane: BatchLane | None = None) -> None:
+        self.lane = lane  # the batch class: its step in flight delays a prompt arriving now
         self.queues, self.load, self.predictor, self.regime, self.limits, self.tpot = (queues, load, predictor, regime,
                                                                                       limits, tpot)
         self._max_tokens = config.max_num_batched_tokens
@@ -52,7 +54,8 @@ class UnitView:
         n_dec = len(q.decodes.reqs)
         slots_short = len(q.waiting) + 1 - (self.limits.running_cap - q.num_running + q.num_batch_running)
         return self.predictor.predict(now, self.backlog_prefill_tokens() + own_prompt_tokens, n_dec, slots_short,
-                                      self._max_tokens - n_dec, corrected)
+                                      self._max_tokens - n_dec, corrected,
+                                      self.lane.delay_s(now) if self.lane is not None else 0.0)
 
     def unit_state(self, now: float, req: Request, queue_delay_s: float | None = None) -> UnitState:
         """What admission sees for `req`; its predicted TTFT is the client's: time spent before the

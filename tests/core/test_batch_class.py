@@ -201,3 +201,57 @@ def test_the_bank_reserve_scales_with_interactive_load() -> None:
     assert lane.token_allowance(svc, aim, 1, 0, False, 5 * aim, load=0.1) > 0
     with pytest.raises(ValueError, match="reserve_full_load"):
         BatchClassConfig(reserve_full_load=-1.0)
+
+
+
+def _batch_step_in_flight(interactive: bool, **batch: object) -> tuple[Scheduler, FakeExecutor, Run, float]:
+    """A unit whose step in flight (planned at the returned time) holds batch prompt tokens,
+    alone or beside an interactive decode."""
+    s = Scheduler(_config(**batch))
+    ex, now = FakeExecutor(time_fn=_time), 0.0
+    if interactive:
+        s.add_request(_req("i0", 64, 200, now), now)
+    for i in range(3):
+        s.add_request(_req(f"b{i}", 800, 3, now, BATCH), now)
+    for _ in range(200):
+        decision = s.schedule(now)
+        assert isinstance(decision, Run)
+        plan = decision.plan
+        if plan.num_prefill_tokens and (not interactive or "i0" in s.decodes.reqs):
+            return s, ex, decision, now
+        result = ex.execute(plan)
+        now += result.device_time_s
+        s.on_step_done(plan, result, now)
+    raise AssertionError("no batch chunk was scheduled")
+
+
+@pytest.mark.parametrize("interactive", [False, True])
+def test_a_prompt_arriving_during_a_batch_step_is_predicted_to_wait_for_its_batch_part(interactive: bool) -> None:
+    s, ex, decision, start = _batch_step_in_flight(interactive)
+    plan, svc, lane = decision.plan, s.load.service, s.lane
+    assert lane is not None and all(s.requests[r].is_batch for r in plan.prefill_context)
+    own_decodes = sum(not r.is_batch for r in s.decodes.reqs.values())
+    assert own_decodes == int(interactive)
+    end = start + svc.step_time(plan.num_prefill_tokens, plan.num_decode_seqs)
+    own_end = start + svc.step_time(0, own_decodes) if own_decodes else start
+    now = start + 0.001
+    # Alone, the batch step delays a prompt by all its remaining time; beside an interactive
+    # decode, by what its batch work adds to the step (the decode would run anyway).
+    owed = (end - now) - max(0.0, own_end - now)
+    assert owed > 0.002
+    predicted = s.predicted_queue_delay_s(now, 100, corrected=False)
+    queueing = s.predictor.predict(now, s.backlog_prefill_tokens() + 100, len(s.decodes.reqs), 0,
+                                   s.config.max_num_batched_tokens - len(s.decodes.reqs), corrected=False)
+    assert predicted - queueing == pytest.approx(owed)
+    assert lane.delay_s(now) == pytest.approx(owed)
+    result = ex.execute(plan)
+    s.on_step_done(plan, result, start + result.device_time_s)
+    assert lane.delay_s(start + result.device_time_s) == 0.0, "no batch work in flight: nothing to wait for"
+
+
+def test_without_predict_wait_the_prediction_leaves_the_batch_wait_to_the_correction() -> None:
+    s, _, _, start = _batch_step_in_flight(False, predict_wait=False)
+    assert s.lane is not None and s.lane.delay_s(start + 0.001) == 0.0
+    predicted = s.predicted_queue_delay_s(start + 0.001, 100, corrected=False)
+    assert predicted == s.predictor.predict(start + 0.001, s.backlog_prefill_tokens() + 100, len(s.decodes.reqs), 0,
+                                            s.config.max_num_batched_tokens - len(s.decodes.reqs), corrected=False)
