@@ -108,6 +108,8 @@ class DefaultSamplingArgs(_Strict):
     temperature: float | None = Field(None, ge=0, le=2, description="default temperature (OpenAI's: 1)")
     top_p: float | None = Field(None, gt=0, le=1, description="default nucleus mass (OpenAI's: 1)")
     top_k: int | None = Field(None, ge=-1, description="default top-k (-1 or 0: off)")
+    max_tokens: int | None = Field(None, ge=1, description="chat output tokens when a request sets neither "
+                                   "max_tokens nor max_completion_tokens (None: whatever context is left)")
 
 
 class KeyLimitArgs(_Strict):

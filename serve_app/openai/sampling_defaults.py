@@ -6,6 +6,11 @@ Owns: `SamplingDefaults` (temperature, top_p, top_k, and where each came from) a
 `default_sampling`, then OpenAI's defaults (temperature 1, top_p 1, no top-k). A request's own
 values always win over all of these (the server applies them field by field).
 
+`max_tokens` comes from the serve config only: the output length a chat request gets when it
+sets neither `max_tokens` nor `max_completion_tokens` (None: whatever context is left, as
+OpenAI and vLLM do). A small model can loop without ever sampling its end token, and on a CPU
+the rest of a 2,048-token context is minutes; the cap bounds that (`finish_reason: "length"`).
+
 A small model sampled at temperature 1 rambles ("Belgium, a bastinted country..." for the
 README's question); its authors usually ship a lower temperature in the generation config, and
 where they do not, the serve config says what a newcomer's first request gets.
@@ -34,11 +39,12 @@ class SamplingDefaults:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: disabled
+    max_tokens: int | None = None  # chat output when the request sets none (None: the context left)
     sources: Mapping[str, str] = field(default_factory=dict)  # field -> "model", "config" or "openai"
 
     def describe(self) -> str:
-        return ", ".join(f"{name}={getattr(self, name)} ({self.sources.get(name, 'openai')})"
-                         for name in OPENAI_DEFAULTS)
+        fields = [f"{name}={getattr(self, name)} ({self.sources.get(name, 'openai')})" for name in OPENAI_DEFAULTS]
+        return ", ".join([*fields, f"max_tokens={self.max_tokens or 'context left'}"])
 
 
 def _valid(name: str, value: Any) -> float | int | None:
@@ -92,4 +98,7 @@ def resolve_sampling_defaults(model: Mapping[str, Any], config: Mapping[str, Any
                 break
         else:
             values[name], sources[name] = fallback, "openai"
-    return SamplingDefaults(float(values["temperature"]), float(values["top_p"]), int(values["top_k"]), sources)
+    cap = config.get("max_tokens")
+    max_tokens = cap if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1 else None
+    return SamplingDefaults(float(values["temperature"]), float(values["top_p"]), int(values["top_k"]), max_tokens,
+                            sources)

@@ -203,7 +203,7 @@ class OpenAIServer:
         renderers = [ChatRenderer(request_id, self.model_id, int(arrival_s), self.strings, num_logprobs, index=i)
                      for i in range(request.n)]
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        budget = _Budget(request.max_new_tokens(), param, None, "messages")
+        budget = _Budget(request.max_new_tokens(), param, self.sampling_defaults.max_tokens, "messages")
         runs = await self._start(request, ids, budget, num_logprobs, renderers, arrival_s)
         return cast(ChatCompletionResponse | EventStream, await self._finish(runs, request.stream))
 

@@ -194,5 +194,20 @@ def test_local_config_defaults_are_what_the_ingress_resolves() -> None:
     root = Path(__file__).resolve().parents[2]
     args = yaml.safe_load((root / "configs" / "local.yaml").read_text())["applications"][0]["args"]
     config = _config_sampling(args)
-    assert config and 0.0 < config["temperature"] <= 0.5
+    # Greedy, and a cap on a chat answer's length: at temperature 0.2 / top_p 0.9 the README's
+    # question looped to the length limit in 5 of 20 answers (docs/configuration.md).
+    assert config["temperature"] == 0.0 and 64 <= config["max_tokens"] <= 1024
     assert _config_sampling("smollm2-135m-instruct") == {}
+
+
+async def test_the_default_output_cap_applies_to_chat_requests_that_set_no_length(tok: Any) -> None:
+    oai, engine = make(tok, defaults=resolve_sampling_defaults({}, {"max_tokens": 40}))
+    await oai.chat.completions.create(model=MODEL, messages=MESSAGES)
+    await oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=100)
+    await oai.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"max_completion_tokens": 7})
+    await oai.completions.create(model=MODEL, prompt="x")  # /v1/completions keeps OpenAI's 16
+    assert [r.sampling.max_tokens for r in engine.requests] == [40, 100, 7, 16]
+    uncapped, engine = make(tok)
+    await uncapped.chat.completions.create(model=MODEL, messages=MESSAGES)
+    (req,) = engine.requests
+    assert req.sampling.max_tokens == engine.model_info.max_model_len - len(req.prompt_token_ids)
