@@ -4,9 +4,12 @@ For each cost model x trace x rate, runs `adaptive` once and `sarathi` (continuo
 SLO admission + a fixed token budget) at every budget of `--budgets`, then picks the best
 budget with hindsight (highest goodput) and reports adaptive's goodput as a ratio of it, side
 by side with TPOT p99 and TTFT p50 of both
-(and `eager`'s TTFT p50, the light-load reference). Windows are the first `--hours` of each trace.
+(and `eager`'s TTFT p50, the light-load reference). Windows are the first `--hours` of each trace,
+or the `--hours` that start `--offset-min` minutes in (a check on traffic the matrix does not
+hold); `--no-eager` skips the reference run (the slowest, at 3x).
 
     python benchmarks/sweet_spot.py --hours 0.25 --out runs/sweet_spot.json
+    python benchmarks/sweet_spot.py --hours 0.25 --offset-min 15 --no-eager
 """
 
 from __future__ import annotations
@@ -34,14 +37,20 @@ def _row(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def cell(cost_name: str, trace_name: str, rate: float, hours: float, budgets: tuple[int, ...], slo: Slo,
-         policy: str = "adaptive", overrides: dict[str, str] | None = None) -> dict[str, Any]:
+         policy: str = "adaptive", overrides: dict[str, str] | None = None, offset_min: float = 0.0,
+         eager: bool = True) -> dict[str, Any]:
     cost = CostModel.load(cost_name)
     base = unit_config(cost, max_batch_size=128, max_num_batched_tokens=2048, max_model_len=8192)
-    trace = load_trace(trace_name, hours=hours, seed=0, rate_scale=rate).clipped(8191, 8191)
+    trace = load_trace(trace_name, hours=hours + offset_min / 60.0, seed=0, rate_scale=rate).clipped(8191, 8191)
+    if offset_min:
+        trace = trace.window(offset_min * 60.0, offset_min * 60.0 + hours * 3600.0)
     runs: dict[str, Any] = {}
     runs[policy] = _row(run_policy(RunSpec(trace, base, cost, slo, overrides=overrides or {}), policy,
                                    progress=False).summary)
-    runs["eager"] = _row(run_policy(RunSpec(trace, base, cost, slo), "eager", progress=False).summary)
+    if eager:
+        runs["eager"] = _row(run_policy(RunSpec(trace, base, cost, slo), "eager", progress=False).summary)
+    else:
+        runs["eager"] = dict.fromkeys(("goodput_rps", "tpot_p99_ms", "ttft_p50_ms"))
     for b in budgets:
         spec = RunSpec(trace, base, cost, slo, overrides={"max_num_batched_tokens": str(b)})
         runs[f"sarathi-{b}"] = _row(run_policy(spec, "sarathi", progress=False).summary)
@@ -63,6 +72,8 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE overrides for the adaptive run")
     ap.add_argument("--slo-ttft", type=float, default=1.0)
     ap.add_argument("--slo-tpot", type=float, default=0.1)
+    ap.add_argument("--offset-min", type=float, default=0.0, help="start the windows this many minutes in")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager reference run")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     budgets = tuple(int(b) for b in args.budgets.split(",") if b)
@@ -74,7 +85,8 @@ def main() -> int:
     for cm in args.cost_model or COST_MODELS:
         for tr in args.trace or TRACES:
             for rate in args.rate or RATES:
-                c = cell(cm, tr, rate, args.hours, budgets, slo, args.policy, overrides)
+                c = cell(cm, tr, rate, args.hours, budgets, slo, args.policy, overrides, args.offset_min,
+                         not args.no_eager)
                 cells.append(c)
                 b, a, e = c["runs"][c["best"]], c["runs"][args.policy], c["runs"]["eager"]
                 print(f"| {cm.split('-')[0]} | {tr} | {rate}x | {c['best'].split('-')[1]} | {b['goodput_rps']} | "

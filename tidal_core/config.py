@@ -159,9 +159,13 @@ class StepSizingConfig:
     `max_bank_steps` aims. A decode may borrow against the tokens it is still expected to
     produce: the `borrow_quantile` of what finished requests produced past that point (0:
     never); when the oldest prompt has waited `pressure_fraction` of the TTFT target, the
-    `pressure_quantile` instead. In OVERLOAD nothing is borrowed, unless `overload_borrow`
-    (then the `borrow_quantile` table, never the pressure one; benchmarks/RESULTS.md has the
-    trade-off: more goodput on long-prompt traffic, TPOT p99 over the target on one cell).
+    `pressure_quantile` instead. Each of those tokens is credited with what a decode-only step
+    repays, but in OVERLOAD with the repayment measured over the last `repay_steps` decode
+    steps (zero on a unit that fills every step: nothing is borrowed there).
+    With `aim_gain` > 0 the aim is learned from finished requests' TPOT: down by `aim_gain` x
+    (1 - `aim_tail`) for one that came within `aim_band` of the target, up by `aim_gain` x
+    `aim_tail` for any other, within [`aim_floor`, 1] x the target (`headroom` is where it
+    starts); the TPOT p99 then sits near (1 - `aim_band`) x the target.
     Off (`enabled=False`) or without a TPOT target, steps are bounded only by the token budget.
     """
 
@@ -172,7 +176,11 @@ class StepSizingConfig:
     borrow_quantile: float = 0.01
     pressure_quantile: float = 0.05
     pressure_fraction: float = 0.5
-    overload_borrow: bool = False
+    repay_steps: float = 128.0
+    aim_gain: float = 0.005
+    aim_band: float = 0.02
+    aim_tail: float = 0.01
+    aim_floor: float = 0.8
 
     def __post_init__(self) -> None:
         _require(self.borrow_quantile <= self.pressure_quantile <= 1.0,
@@ -185,6 +193,15 @@ class StepSizingConfig:
         _require(0.1 <= self.decode_share <= 1.0,
                  f"step_sizing.decode_share={self.decode_share} must be in [0.1, 1]")
         _require(self.max_bank_steps >= 0.0, f"step_sizing.max_bank_steps={self.max_bank_steps} must be >= 0")
+        _require(self.repay_steps >= 1.0, f"step_sizing.repay_steps={self.repay_steps} must be >= 1 (decode steps)")
+        _require(0.0 <= self.aim_gain <= 0.1,
+                 f"step_sizing.aim_gain={self.aim_gain} must be in [0, 0.1] (0: the aim stays at headroom)")
+        _require(0.0 < self.aim_band < 0.5, f"step_sizing.aim_band={self.aim_band} must be in (0, 0.5)")
+        _require(0.0 < self.aim_tail < 0.5, f"step_sizing.aim_tail={self.aim_tail} must be in (0, 0.5)")
+        _require(0.1 <= self.aim_floor <= 1.0, f"step_sizing.aim_floor={self.aim_floor} must be in [0.1, 1]")
+        _require(self.aim_gain == 0.0 or self.aim_floor <= self.headroom <= 1.0,
+                 f"step_sizing.headroom={self.headroom} must be in [aim_floor={self.aim_floor}, 1] when the aim is "
+                 "learned (aim_gain > 0); set aim_gain=0 to aim at a fixed headroom")
 
 
 @dataclass(frozen=True, slots=True)

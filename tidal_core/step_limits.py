@@ -10,8 +10,9 @@ its banks into the two limits `Scheduler.schedule` applies to every step:
 - **prefill allowance** (`prefill_allowance`): the prompt tokens a step may hold beside its
   decodes. Without the sizer it is `max_prefill_tokens` (or no limit). With it, the sizer's
   allowance within that cap, read with TTFT *pressure* once the oldest interactive prompt has
-  waited `pressure_fraction` of the TTFT target, and *strict* in OVERLOAD (no borrowing
-  against future tokens) unless `overload_borrow` is set.
+  waited `pressure_fraction` of the TTFT target (in every regime), and in OVERLOAD with each
+  future token credited with the repayment the decode steps measurably made (not what a
+  decode-only step would repay: a unit that fills every step borrows nothing).
 
 Each finished step's interval is charged to the decodes' banks here (`on_step_done`); a
 decode starting or ending, and a request's output length, reach the sizer from whoever moves
@@ -34,7 +35,7 @@ _OVERLOAD = Regime.OVERLOAD  # a module global: an enum class's attribute lookup
 
 
 class StepLimits:
-    __slots__ = ("_borrow_over", "_max_batch_size", "_prefill_cap", "_pressure_s", "load", "queues", "regime",
+    __slots__ = ("_max_batch_size", "_prefill_cap", "_pressure_s", "load", "queues", "regime",
                  "running_cap", "sizer")
 
     def __init__(self, config: SchedulerConfig, queues: UnitQueues, load: LoadEstimator, regime: RegimeDetector,
@@ -45,7 +46,6 @@ class StepLimits:
         self._max_batch_size = config.max_batch_size
         self._prefill_cap = config.max_prefill_tokens or math.inf
         self._pressure_s = sizing.pressure_fraction * adm.target_ttft_s
-        self._borrow_over = sizing.overload_borrow
         self.running_cap = config.max_batch_size
         self.refresh()
 
@@ -62,9 +62,8 @@ class StepLimits:
         if self.sizer is None:
             return self._prefill_cap
         over = self.regime.regime is _OVERLOAD
-        strict = over and not self._borrow_over
-        pressure = not over and now - self.queues.oldest_arrival_s() >= self._pressure_s
-        return min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, num_decodes, pressure, strict))
+        pressure = now - self.queues.oldest_arrival_s() >= self._pressure_s
+        return min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, num_decodes, pressure, over))
 
     def room(self, num_running: int) -> float:
         """How many more requests may start running: bounded by the cap only under the sizer

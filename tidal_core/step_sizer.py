@@ -17,9 +17,16 @@ learned step-time model (core/load.py, `ServiceModel`) and one account per decod
   many more tokens requests that reached `k` tokens went on to produce, read from the output
   lengths of recently finished requests (a table by `k`, refreshed every 64 finishes; 1, no
   borrowing, until 16 requests have finished). When the oldest prompt has waited
-  `pressure_fraction` of the TTFT target, the `pressure_quantile` table is used instead; in
-  OVERLOAD (`strict`) nothing is borrowed: a full batch pays for every long step.
+  `pressure_fraction` of the TTFT target, the `pressure_quantile` table is used instead.
   Only a request that ends before repaying can miss the aim, about that quantile of them;
+- **repayment in OVERLOAD**: `g` assumes the steps to come are decode-only, which a unit whose
+  prompts never stop arriving does not run. In OVERLOAD each future token is credited with the
+  *measured* repayment instead, `min(g, r)`, where `r` is the mean of `aim - interval` over the
+  last `repay_steps` decode steps (what every decode's bank actually gained per step, long
+  steps included). A unit that fills every step to the aim measures `r = 0` and borrows
+  nothing (a full batch pays for every long step); one whose bursts leave decode-only steps
+  between them (long prompts arriving in batches) lets a decode that just got its first token
+  borrow against them, so the next prompt's chunks are not cut to one aim;
 - **prefill allowance**: the step may last the smallest such limit over the running decodes
   (banks capped at `max_bank_steps` aims): prefill tokens worth that, less the decode part
   and the fixed cost of a prefill step. A step right after a first token on a busy unit is
@@ -32,8 +39,16 @@ learned step-time model (core/load.py, `ServiceModel`) and one account per decod
 The limit is a scan over the running decodes, done only for steps that could hold prefill.
 Intervals are measured between step completions (`now`), so the model's errors, host time
 and anything else a client sees are charged to the banks; a step that ran over its
-prediction shrinks the next allowance instead of being forgotten. `aim` is
-`target_tpot_s x headroom`. Nothing here is hardware-specific.
+prediction shrinks the next allowance instead of being forgotten.
+
+**The aim** starts at `target_tpot_s x headroom` and is learned from the TPOT each finished
+request actually got (from its first token to its last, what its client measured): a request
+that came within `aim_band` of the target lowers it by `aim_gain x (1 - aim_tail)`, any other
+raises it by `aim_gain x aim_tail`, within [`aim_floor`, 1] x the target. It settles where
+`aim_tail` of the requests come that close: the TPOT p99 sits near `(1 - aim_band) x target`
+whether the tail comes from the step model's error or from requests that ended before
+repaying a borrow (the fixed margin this replaces gave away throughput where neither happens,
+and was too little where both do). Nothing here is hardware-specific.
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """
@@ -69,9 +84,14 @@ def remaining_quantiles(lengths: list[int], quantile: float) -> tuple[int, ...]:
     return tuple(table)
 
 
+def _past_this_step(lengths: list[int], quantile: float) -> tuple[int, ...]:
+    """`m(k) - 1`: the tokens past the current one a decode at `k` may borrow against (none at 0)."""
+    return tuple(m - 1 for m in remaining_quantiles(lengths, quantile)) if quantile else _NO_BORROW
+
+
 class StepSizer:
-    __slots__ = ("_last_done_s", "_lengths", "_num_finished", "_start", "account_s", "aim_s", "borrow",
-                 "config", "decode_steps", "pressure", "target_tpot_s")
+    __slots__ = ("_last_done_s", "_lengths", "_num_finished", "_since", "_start", "account_s", "aim_s", "borrow",
+                 "config", "decode_steps", "pressure", "repay_s", "target_tpot_s")
 
     def __init__(self, config: StepSizingConfig, target_tpot_s: float, now: float = 0.0) -> None:
         self.config = config
@@ -79,9 +99,11 @@ class StepSizer:
         self.aim_s = target_tpot_s * config.headroom
         self.account_s = 0.0
         self.decode_steps = 0
-        self.borrow = _NO_BORROW  # m(k), normally and under TTFT pressure
+        self.borrow = _NO_BORROW  # m(k) - 1 (tokens past this step), normally and under TTFT pressure
         self.pressure = _NO_BORROW
+        self.repay_s = 0.0  # measured mean of aim - interval per decode step (what future steps repay)
         self._start: dict[str, tuple[float, int]] = {}  # rid -> (account, decode step) when it started
+        self._since: dict[str, float] = {}  # rid -> when its first token (or its resumption) came
         self._lengths: list[int] = []
         self._num_finished = 0
         self._last_done_s = now
@@ -96,27 +118,30 @@ class StepSizer:
         return max(1, int(room / per_seq))
 
     def prefill_allowance(self, svc: ServiceModel, num_decodes: int, pressure: bool = False,
-                          strict: bool = False) -> int:
+                          overload: bool = False) -> int:
         """Prefill tokens this step may hold next to `num_decodes` running decodes; with
-        `pressure` (a prompt's TTFT is at risk) decodes borrow against the pressure table,
-        `strict` (OVERLOAD: a full batch pays for every long step) they borrow nothing."""
+        `pressure` (a prompt's TTFT is at risk) decodes borrow against the pressure table; in
+        `overload` their future tokens are credited with the measured repayment, not `g`."""
         if num_decodes == 0 or not self._start:
             return UNLIMITED
         aim = self.aim_s
         decode_s = svc.step_time(0, num_decodes)
         gain = max(0.0, aim - decode_s)
-        table = _NO_BORROW if strict else self.pressure if pressure else self.borrow
-        credit = self._min_credit(gain, table)
+        future = min(gain, max(0.0, self.repay_s)) if overload else gain
+        credit = self._min_credit(gain, future, self.pressure if pressure else self.borrow)
         step_s = decode_s + min(credit, self.config.max_bank_steps * aim + gain)
         avail = step_s - decode_s - svc.prefill_step_s
         return int(avail / svc.prefill_s_per_token) if avail > 0.0 else 0
 
-    def _min_credit(self, gain: float, table: tuple[int, ...]) -> float:
-        """min over running decodes of `bank + gain x max(1, m(k))` (every `m` in a table is >= 1)."""
+    def _min_credit(self, gain: float, future: float, table: tuple[int, ...]) -> float:
+        """min over running decodes of `bank + gain + future x (max(1, m(k)) - 1)`: this step's
+        gain, and `future` for each further token the decode is expected to produce (the tables
+        hold `m(k) - 1`)."""
         account, steps, size, entries = self.account_s, self.decode_steps, len(table), self._start.values()
-        if not size:
+        if not size or future <= 0.0:
             return account - max(start for start, _ in entries) + gain
-        return account - max([start - gain * (table[steps - at] if steps - at < size else 1) for start, at in entries])
+        return account + gain - max([start - future * (table[steps - at] if steps - at < size else 0)
+                                     for start, at in entries])
 
     def min_bank_s(self) -> float:
         """The smallest bank among running decodes (inf with none)."""
@@ -126,23 +151,41 @@ class StepSizer:
     def on_step_done(self, now: float, num_decodes: int) -> None:
         """A step with `num_decodes` decodes ended at `now`: charge its interval to their banks."""
         if num_decodes:
-            self.account_s += self.aim_s - (now - self._last_done_s)
+            gained = self.aim_s - (now - self._last_done_s)
+            self.account_s += gained
             self.decode_steps += 1
+            self.repay_s += (gained - self.repay_s) / self.config.repay_steps
         self._last_done_s = now
 
     def on_decode_start(self, rid: str) -> None:
         """`rid` produced its first token (or resumed) and decodes from the next step, bank empty."""
         self._start[rid] = (self.account_s, self.decode_steps)
+        self._since[rid] = self._last_done_s
 
     def on_decode_end(self, rid: str) -> None:
         """`rid` stopped decoding (finished, aborted or preempted)."""
         self._start.pop(rid, None)
+        self._since.pop(rid, None)
 
     def on_request_end(self, rid: str, num_output_tokens: int | None) -> None:
         """`rid` ended: finished with `num_output_tokens`, or aborted (None)."""
-        self.on_decode_end(rid)
+        entry, since = self._start.pop(rid, None), self._since.pop(rid, 0.0)
         if num_output_tokens is not None:
+            if entry is not None:
+                self.learn_aim(entry[1], since)
             self.on_finished(num_output_tokens)
+
+    def learn_aim(self, started_step: int, started_s: float) -> None:
+        """A request that decoded from step `started_step` (time `started_s`) to the last step
+        finished: its TPOT moves the aim (see the module doc)."""
+        cfg = self.config
+        steps = self.decode_steps - started_step
+        if cfg.aim_gain <= 0.0 or steps < 1:
+            return
+        target = self.target_tpot_s
+        close = (self._last_done_s - started_s) / steps > (1.0 - cfg.aim_band) * target
+        fraction = self.aim_s / target - cfg.aim_gain * ((1.0 if close else 0.0) - cfg.aim_tail)
+        self.aim_s = target * min(1.0, max(cfg.aim_floor, fraction))
 
     def on_finished(self, num_output_tokens: int) -> None:
         """A request ended with `num_output_tokens`: the borrow tables learn output lengths."""
@@ -154,8 +197,8 @@ class StepSizer:
         self._num_finished += 1
         if self._num_finished % _REFRESH_EVERY == 0 or self._num_finished == _MIN_FINISHED:
             cfg = self.config
-            self.borrow = remaining_quantiles(lengths, cfg.borrow_quantile) if cfg.borrow_quantile else _NO_BORROW
-            self.pressure = remaining_quantiles(lengths, cfg.pressure_quantile) if cfg.pressure_quantile else _NO_BORROW
+            self.borrow = _past_this_step(lengths, cfg.borrow_quantile)
+            self.pressure = _past_this_step(lengths, cfg.pressure_quantile)
 
     def bank_s(self, rid: str) -> float | None:
         """`rid`'s bank: seconds its tokens came in under the aim so far (None if not decoding)."""

@@ -74,14 +74,27 @@ def test_pressure_after_the_oldest_prompt_waited_half_the_ttft_target() -> None:
     assert limits.prefill_allowance(0.50, 1) == pytest.approx(20 * 790, abs=2)  # 60%: 20 more tokens
 
 
-def test_overload_borrows_nothing_unless_configured() -> None:
-    strict = _decoding(_limits(admission=TPOT, step_sizing=SIZING))
-    strict.regime.regime = Regime.OVERLOAD
-    assert strict.prefill_allowance(0.9, 1) == pytest.approx(790, abs=2)  # pressure ignored too
-    lenient = _decoding(_limits(admission=TPOT, step_sizing=dataclasses.replace(SIZING, overload_borrow=True,
-                                                                                 borrow_quantile=0.5)))
-    lenient.regime.regime = Regime.OVERLOAD
-    assert lenient.prefill_allowance(0.9, 1) == pytest.approx(20 * 790, abs=2)  # the borrow table, 50%: 20
+def _after_decode_steps(interval_s: float) -> StepLimits:
+    """Limits whose sizer saw 40 decode steps of `interval_s` (one decode, since ended), then
+    learned the lengths above and started a decode that just got its first token."""
+    limits = _limits(admission=TPOT, step_sizing=dataclasses.replace(SIZING, repay_steps=4.0, aim_gain=0.0))
+    assert limits.sizer is not None
+    limits.sizer.on_decode_start("old")
+    for i in range(40):
+        limits.on_step_done((i + 1) * interval_s, 1)
+    limits.sizer.on_decode_end("old")
+    return _decoding(limits)
+
+
+def test_overload_borrows_against_the_repayment_decode_steps_measurably_made() -> None:
+    full = _after_decode_steps(0.100)  # every step ran at the aim: nothing was repaid
+    assert full.prefill_allowance(0.9, 1) == pytest.approx(20 * 790, abs=2)  # pressure, not OVERLOAD
+    full.regime.regime = Regime.OVERLOAD
+    assert full.prefill_allowance(0.9, 1) == pytest.approx(790, abs=2)  # pressure borrows nothing here
+    idle = _after_decode_steps(0.021)  # decode-only steps repaid the full 79 ms each
+    idle.regime.regime = Regime.OVERLOAD
+    assert idle.prefill_allowance(0.49, 1) == pytest.approx(790, abs=2)  # 1% quantile: nothing to borrow
+    assert idle.prefill_allowance(0.9, 1) == pytest.approx(20 * 790, abs=2)  # TTFT pressure in OVERLOAD too
 
 
 def test_the_prefill_cap_bounds_the_sizer_allowance() -> None:

@@ -105,15 +105,14 @@ def test_a_young_decode_borrows_against_what_requests_like_it_produce() -> None:
     assert sizer.prefill_allowance(SVC, 1) == pytest.approx((9 * 0.079 + 0.079) / 0.0001, abs=2)
 
 
-def test_pressure_borrows_more_and_strict_borrows_nothing() -> None:
+def test_pressure_borrows_more_than_the_plain_table() -> None:
     sizer = StepSizer(StepSizingConfig(headroom=1.0, borrow_quantile=0.01, pressure_quantile=0.6), 0.1)
     for n in range(16):
         sizer.on_finished(2 if n < 8 else 21)  # half decode 1 token after the first, half 20
     sizer.on_decode_start("a")
     normal = sizer.prefill_allowance(SVC, 1)
     pressed = sizer.prefill_allowance(SVC, 1, pressure=True)
-    strict = sizer.prefill_allowance(SVC, 1, pressure=True, strict=True)
-    assert strict == 790 == normal  # the 1% quantile is the 1-token request: nothing to borrow
+    assert normal == 790  # the 1% quantile is the 1-token request: nothing to borrow
     assert pressed == pytest.approx(20 * 790, abs=2)  # the 60% quantile decodes 20 more tokens
 
 
@@ -137,11 +136,12 @@ def test_the_tables_refresh_every_64_finishes_from_the_last_512() -> None:
         sizer.on_finished(101)
     assert len(sizer.borrow) == 10  # 63 finished: still the table built at 16
     sizer.on_finished(101)
-    assert len(sizer.borrow) == 100 and sizer.borrow[0] == 10  # 64th: rebuilt, 1% quantile of 10/100 -> 10
-    assert sizer.pressure[0] == 100  # the median of 16 x 10 and 48 x 100 decode tokens
+    # 64th: rebuilt, 1% quantile of 10/100 -> 10; the tables hold the tokens past this step (m - 1)
+    assert len(sizer.borrow) == 100 and sizer.borrow[0] == 9
+    assert sizer.pressure[0] == 99  # the median of 16 x 10 and 48 x 100 decode tokens, less this step's
     for _ in range(512):  # a whole window of short requests replaces every long one
         sizer.on_finished(3)
-    assert sizer.borrow == (2, 1) and sizer.pressure == (2, 1)
+    assert sizer.borrow == (1, 0) and sizer.pressure == (1, 0)
 
 
 def test_an_idle_gap_is_not_charged_to_the_next_decode_step() -> None:
@@ -168,3 +168,84 @@ def test_a_fixed_prefill_cost_comes_out_of_the_allowance() -> None:
 def test_free_decodes_leave_the_batch_uncapped() -> None:
     svc = ServiceModel(ServicePrior(step_overhead_s=0.020, prefill_s_per_token=0.0001, decode_s_per_seq=0.0))
     assert StepSizer(CFG, 0.1).max_running(svc) == UNLIMITED
+
+
+def _young_decode_after(interval_s: float, steps: int) -> StepSizer:
+    """A sizer whose decodes saw `steps` steps of `interval_s`, then a decode that just got its
+    first token; every finished request decoded 10 tokens after its first (as above)."""
+    sizer = StepSizer(StepSizingConfig(headroom=1.0, borrow_quantile=0.01, pressure_quantile=0.5, repay_steps=4.0,
+                                       aim_gain=0.0), 0.1)
+    for _ in range(16):
+        sizer.on_finished(11)
+    sizer.on_decode_start("old")
+    now = 0.0
+    for _ in range(steps):
+        now += interval_s
+        sizer.on_step_done(now, 1)
+    sizer.on_decode_end("old")
+    sizer.on_decode_start("young")
+    return sizer
+
+
+def test_in_overload_future_tokens_earn_what_steps_measurably_repaid() -> None:
+    # Every step ran at the aim (a unit that fills each step): nothing was repaid, so in
+    # OVERLOAD the young decode borrows nothing and the step may last one aim (790 tokens);
+    # outside OVERLOAD it still borrows 9 tokens x the 79 ms a decode-only step would repay.
+    full = _young_decode_after(0.100, 40)
+    assert full.repay_s == pytest.approx(0.0, abs=1e-9)
+    assert full.prefill_allowance(SVC, 1, overload=True) == pytest.approx(790, abs=1)
+    assert full.prefill_allowance(SVC, 1) == pytest.approx(7900, abs=2)
+    # Decode-only steps between bursts repaid the full 79 ms each: OVERLOAD borrows as much.
+    idle = _young_decode_after(0.021, 40)
+    assert idle.repay_s == pytest.approx(0.079, rel=1e-3)
+    assert idle.prefill_allowance(SVC, 1, overload=True) == pytest.approx(7900, abs=2)
+    # Half of that measured (60.5 ms steps): each further token is worth 39.5 ms.
+    half = _young_decode_after(0.0605, 40)
+    assert half.prefill_allowance(SVC, 1, overload=True) == pytest.approx((0.079 + 9 * 0.0395) / 0.0001, abs=3)
+
+
+def _finish(sizer: StepSizer, rid: str, start_s: float, interval_s: float, steps: int) -> float:
+    """`rid` decodes `steps` tokens at `interval_s` from `start_s` and finishes; returns the time."""
+    sizer.on_step_done(start_s, 0)
+    sizer.on_decode_start(rid)
+    now = start_s
+    for _ in range(steps):
+        now += interval_s
+        sizer.on_step_done(now, 1)
+    sizer.on_request_end(rid, steps + 1)
+    return now
+
+
+def test_the_aim_falls_for_requests_that_finish_near_the_target_and_rises_for_others() -> None:
+    cfg = StepSizingConfig(headroom=0.95, aim_gain=0.01, aim_band=0.02, aim_tail=0.01, aim_floor=0.8)
+    sizer = StepSizer(cfg, 0.1)
+    now = _finish(sizer, "near", 0.0, 0.099, 4)  # TPOT 99 ms: within 2% of the target
+    assert sizer.aim_s == pytest.approx(0.1 * (0.95 - 0.01 * 0.99))
+    _finish(sizer, "fast", now, 0.050, 4)  # TPOT 50 ms
+    assert sizer.aim_s == pytest.approx(0.1 * (0.95 - 0.01 * 0.99 + 0.01 * 0.01))
+    before = sizer.aim_s
+    sizer.on_decode_start("gone")
+    sizer.on_request_end("gone", None)  # an abort says nothing about TPOT
+    assert sizer.aim_s == before
+
+
+def test_the_learned_aim_stays_within_its_bounds_and_a_zero_gain_keeps_it_fixed() -> None:
+    sizer = StepSizer(StepSizingConfig(headroom=0.95, aim_gain=0.05, aim_floor=0.8), 0.1)
+    now = 0.0
+    for i in range(100):
+        now = _finish(sizer, f"slow{i}", now, 0.2, 2)
+    assert sizer.aim_s == pytest.approx(0.08)
+    for i in range(10_000):
+        now = _finish(sizer, f"fast{i}", now, 0.01, 2)
+    assert sizer.aim_s == pytest.approx(0.1)  # never past the target itself
+    fixed = StepSizer(StepSizingConfig(headroom=0.95, aim_gain=0.0), 0.1)
+    _finish(fixed, "slow", 0.0, 0.2, 2)
+    assert fixed.aim_s == pytest.approx(0.095)
+
+
+def test_a_learned_aim_needs_a_headroom_inside_its_bounds() -> None:
+    with pytest.raises(ValueError, match=r"headroom=1\.2 must be in"):
+        StepSizingConfig(headroom=1.2)
+    assert StepSizingConfig(headroom=1.2, aim_gain=0.0).headroom == 1.2
+    with pytest.raises(ValueError, match=r"repay_steps=0\.5"):
+        StepSizingConfig(repay_steps=0.5)

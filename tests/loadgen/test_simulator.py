@@ -132,15 +132,19 @@ def test_the_fleet_scales_on_a_hot_unit_s_step_time_not_only_its_arrival_rate(co
     """At 0.7 of its saturated capacity one unit reads under the 1.0 target load, so the arrival
     rate adds a unit only once a burst tips it into OVERLOAD (about 9 minutes in); its decode
     steps run near the TPOT target from the start, so the step-time signal adds it within
-    minutes, and the earlier unit shows in the SLO attainment."""
+    minutes, and the earlier unit shows in the SLO attainment. The step sizer's aim is held
+    fixed (`aim_gain` 0): a learned aim lowers the batch cap, hence the capacity the arrival
+    rate is measured against, once TPOTs come near the target, and would make the rate signal
+    react sooner; this test is about the two autoscaling signals on one unit's fixed capacity."""
     from loadgen.sim.study import constant_trace
 
     steady = constant_trace(2.0, 12.0, seed=5, max_len=8192)
     cfg = AutoscaleConfig(min_units=1, max_units=3, target_load=1.0, smoothing_s=30.0, lead_s=0.0,
                           upscale_delay_s=60.0, downscale_delay_s=1e6, hot_tpot_fraction=0.75, cool_tpot_fraction=0.5)
+    fixed_aim = {"step_sizing.aim_gain": "0"}
     rate_only = run(cost, steady, "adaptive", autoscale=dataclasses.replace(cfg, hot_tpot_fraction=None),
-                    provisioning_s=60.0)
-    with_tpot = run(cost, steady, "adaptive", autoscale=cfg, provisioning_s=60.0)
+                    provisioning_s=60.0, overrides=fixed_aim)
+    with_tpot = run(cost, steady, "adaptive", autoscale=cfg, provisioning_s=60.0, overrides=fixed_aim)
     one_unit = cost.tp * 12.0 / 60.0
     assert rate_only["gpu_hours"] < 1.5 * one_unit < with_tpot["gpu_hours"] <= 2 * one_unit
     assert with_tpot["slo_attainment"] > rate_only["slo_attainment"] + 0.03
