@@ -4,7 +4,7 @@ Owns: `AutoscaleConfig`, `AutoscaleObservation`, `AutoscaleState`, `Signals` and
 
     decide(observation, state, config) -> (num_units, new_state)
 
-Two signals, both read from the units' snapshots (`UnitLoad`):
+Three signals, all read from the units' snapshots (`UnitLoad`):
 
 - **arrival demand** in units, `sum(load_u * capacity_u) / (target_load * mean capacity)`: the
   arrival rate every unit measures, over what one unit serves at the target utilisation (the
@@ -18,7 +18,13 @@ Two signals, both read from the units' snapshots (`UnitLoad`):
   against its TPOT target. The arrival rate says how much traffic there is; the step time says
   what it costs the unit's decodes, whatever the mix of lengths. A unit at `hot_tpot_fraction`
   of its target or above is *hot* and asks for one more unit than are serving; while any unit
-  is at `cool_tpot_fraction` or above, no unit is removed (scale-down needs cold units).
+  is at `cool_tpot_fraction` or above, no unit is removed (scale-down needs cold units);
+- **measured refusals**: the share of the fleet's interactive arrivals its units refused lately
+  for an SLO reason (`refused_fraction`, core/refusal_meter.py), each unit weighted by its
+  arrival rate. The step sizer keeps decodes within their TPOT target by holding prefill back,
+  so what runs out on a busy unit is a long prompt's TTFT, and admission refuses it: neither
+  the arrival rate nor the step time shows that. At `hot_refused_fraction` or above the fleet
+  asks for one unit more than are serving; at `cool_refused_fraction` or above none is removed.
 
 Only interactive demand counts (unless `scale_for_batch`): batch (deferrable) work runs in the
 headroom interactive requests leave and yields first when they return, so the batch part of
