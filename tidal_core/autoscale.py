@@ -4,7 +4,7 @@ Owns: `AutoscaleConfig`, `AutoscaleObservation`, `AutoscaleState`, `Signals` and
 
     decide(observation, state, config) -> (num_units, new_state)
 
-Two signals, both read from the units' snapshots (`UnitLoad`):
+Three signals, all read from the units' snapshots (`UnitLoad`):
 
 - **arrival demand** in units, `sum(load_u * capacity_u) / (target_load * mean capacity)`: the
   arrival rate every unit measures, over what one unit serves at the target utilisation (the
@@ -18,7 +18,13 @@ Two signals, both read from the units' snapshots (`UnitLoad`):
   against its TPOT target. The arrival rate says how much traffic there is; the step time says
   what it costs the unit's decodes, whatever the mix of lengths. A unit at `hot_tpot_fraction`
   of its target or above is *hot* and asks for one more unit than are serving; while any unit
-  is at `cool_tpot_fraction` or above, no unit is removed (scale-down needs cold units).
+  is at `cool_tpot_fraction` or above, no unit is removed (scale-down needs cold units);
+- **measured refusals**: the share of the fleet's interactive arrivals its units refused lately
+  for an SLO reason (`refused_fraction`, core/refusal_meter.py), each unit weighted by its
+  arrival rate. The step sizer keeps decodes within their TPOT target by holding prefill back,
+  so what runs out on a busy unit is a long prompt's TTFT, and admission refuses it: neither
+  the arrival rate nor the step time shows that. At `hot_refused_fraction` or above the fleet
+  asks for one unit more than are serving; at `cool_refused_fraction` or above none is removed.
 
 Only interactive demand counts (unless `scale_for_batch`): batch (deferrable) work runs in the
 headroom interactive requests leave and yields first when they return, so the batch part of
@@ -66,6 +72,11 @@ class AutoscaleConfig:
     cool_tpot_fraction: float = 0.72
     down_lead_s: float = 0.0
     scale_for_batch: bool = False
+    # The measured refusals (None: off): while the units refuse `hot_refused_fraction` of their
+    # interactive arrivals or more (arrival-weighted), the fleet asks for one more unit; none is
+    # removed while they refuse `cool_refused_fraction` or more.
+    hot_refused_fraction: float | None = None
+    cool_refused_fraction: float = 0.005
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_units <= self.max_units:
@@ -89,6 +100,11 @@ class AutoscaleConfig:
         if hot is not None and not 0.0 < hot <= 1.5:
             raise ValueError(f"autoscale hot_tpot_fraction={hot} must be in (0, 1.5] (a fraction of the TPOT "
                              "target), or None to scale on arrival rate only")
+        refused = self.hot_refused_fraction
+        if refused is not None and not 0.0 < self.cool_refused_fraction <= refused < 1.0:
+            raise ValueError(f"autoscale cool_refused_fraction={self.cool_refused_fraction} and hot_refused_fraction="
+                             f"{refused} must satisfy 0 < cool <= hot < 1 (shares of the arrivals refused), or set "
+                             "hot_refused_fraction None to ignore refusals")
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,15 +179,30 @@ class Signals:
     warm: bool
 
 
+def refused_fraction(units: Sequence[UnitLoad], scale_for_batch: bool = False) -> float:
+    """The share of the fleet's interactive arrivals its units refuse lately: each unit's
+    `refused_fraction` weighted by its interactive arrival rate (0: no unit reports arrivals)."""
+    weights = [(interactive_load(u, scale_for_batch) * u.capacity_rps, u.refused_fraction)
+               for u in units if u.healthy and u.capacity_rps > 0]
+    total = sum(w for w, _ in weights)
+    return sum(w * f for w, f in weights) / total if total > 0 else 0.0
+
+
 def read_signals(units: Sequence[UnitLoad], config: AutoscaleConfig) -> Signals:
     batch = config.scale_for_batch
     demand = demand_units(units, config.target_load, batch)
+    serving = sum(1 for u in units if u.healthy)
+    floor, warm = 0, False
     hot = config.hot_tpot_fraction
-    if hot is None:
-        return Signals(demand, 0, False)
-    ratios = [tpot_ratio(u, batch) for u in units if u.healthy]
-    floor = len(ratios) + 1 if any(r >= hot for r in ratios) else 0
-    return Signals(demand, floor, any(r >= config.cool_tpot_fraction for r in ratios))
+    if hot is not None:
+        ratios = [tpot_ratio(u, batch) for u in units if u.healthy]
+        floor = serving + 1 if any(r >= hot for r in ratios) else 0
+        warm = any(r >= config.cool_tpot_fraction for r in ratios)
+    if config.hot_refused_fraction is not None:
+        refused = refused_fraction(units, batch)
+        floor = serving + 1 if refused >= config.hot_refused_fraction else floor
+        warm = warm or refused >= config.cool_refused_fraction
+    return Signals(demand, floor, warm)
 
 
 def _smooth(state: AutoscaleState, raw: float, now: float, config: AutoscaleConfig) -> tuple[float, float]:

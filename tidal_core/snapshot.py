@@ -29,7 +29,8 @@ class UnitLoad:
     requests it has received, so a front end can tell how many it sent are still on the way
     (tidal_core/front_admission.py). `tpot_s` is the unit's measured recent time per output token
     (core/tpot_meter.py; 0: none measured) and `target_tpot_s` its TPOT target (0: none), the
-    autoscaler's hot-unit signal.
+    autoscaler's hot-unit signal; `refused_fraction` the recent share of its interactive arrivals
+    refused for an SLO reason (core/refusal_meter.py; 0: none arrived lately), its refusal signal.
 
     The batch class (core/batch_lane.py) is reported apart so an autoscaler can count
     interactive demand only: `num_waiting`, `queue_delay_s` and `kv_usage` are interactive
@@ -57,6 +58,7 @@ class UnitLoad:
     batch_backlog_tokens: int = 0
     batch_running: int = 0
     batch_kv_usage: float = 0.0
+    refused_fraction: float = 0.0  # recent share of interactive arrivals refused (core/refusal_meter.py)
 
     def to_stats(self) -> dict[str, float]:
         """The wire form: floats only (Serve's stats contract); the unit id is the replica's."""
@@ -77,6 +79,7 @@ class UnitLoad:
             "batch_backlog_tokens": float(self.batch_backlog_tokens),
             "batch_running": float(self.batch_running),
             "batch_kv_usage": self.batch_kv_usage,
+            "refused_fraction": self.refused_fraction,
         }
 
     @classmethod
@@ -91,7 +94,8 @@ class UnitLoad:
                    target_tpot_s=float(s.get("target_tpot_s", 0.0)), batch_load=float(s.get("batch_load", 0.0)),
                    batch_waiting=int(s.get("batch_waiting", 0)),
                    batch_backlog_tokens=int(s.get("batch_backlog_tokens", 0)),
-                   batch_running=int(s.get("batch_running", 0)), batch_kv_usage=float(s.get("batch_kv_usage", 0.0)))
+                   batch_running=int(s.get("batch_running", 0)), batch_kv_usage=float(s.get("batch_kv_usage", 0.0)),
+                   refused_fraction=float(s.get("refused_fraction", 0.0)))
 
 
 STAT_KEYS: tuple[str, ...] = tuple(UnitLoad("", 0, 0, 0.0, 0.0).to_stats())

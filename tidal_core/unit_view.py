@@ -23,6 +23,7 @@ from tidal_core.config import SchedulerConfig
 from tidal_core.load import LoadEstimator
 from tidal_core.predictor import TtftPredictor
 from tidal_core.queues import UnitQueues
+from tidal_core.refusal_meter import RefusalMeter
 from tidal_core.regime import RegimeDetector
 from tidal_core.request import Request
 from tidal_core.snapshot import UnitLoad
@@ -31,13 +32,16 @@ from tidal_core.tpot_meter import TpotMeter
 
 
 class UnitView:
-    __slots__ = ("_max_tokens", "_target_tpot_s", "lane", "limits", "load", "predictor", "queues", "regime", "tpot")
+    __slots__ = ("_max_tokens", "_target_tpot_s", "lane", "limits", "load", "predictor", "queues", "refusals", "regime",
+                 "tpot")
 
     def __init__(self, config: SchedulerConfig, queues: UnitQueues, load: LoadEstimator, predictor: TtftPredictor,
-                 regime: RegimeDetector, limits: StepLimits, tpot: TpotMeter, lane: BatchLane | None = None) -> None:
+                 regime: RegimeDetector, limits: StepLimits, tpot: TpotMeter, lane: BatchLane | None = None,
+                 refusals: RefusalMeter | None = None) -> None:
         self.lane = lane  # the batch class: its step in flight delays a prompt arriving now
         self.queues, self.load, self.predictor, self.regime, self.limits, self.tpot = (queues, load, predictor, regime,
                                                                                       limits, tpot)
+        self.refusals = refusals if refusals is not None else RefusalMeter()
         self._max_tokens = config.max_num_batched_tokens
         self._target_tpot_s = config.admission.target_tpot_s or 0.0
 
@@ -78,4 +82,4 @@ class UnitView:
                         q.blocks.usage() - batch_kv, load.load(now), load.capacity_rps(), self.regime.regime,
                         batch_waiting=len(q.batch), batch_backlog_tokens=q.batch.num_tokens + q.batch_prefill_remaining,
                         batch_running=q.num_batch_running, batch_kv_usage=batch_kv, tpot_s=self.tpot.tpot_s(now),
-                        target_tpot_s=self._target_tpot_s)
+                        target_tpot_s=self._target_tpot_s, refused_fraction=self.refusals.fraction(now))
