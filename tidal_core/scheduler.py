@@ -37,7 +37,6 @@ from tidal_core.microwait import LaunchPolicy
 from tidal_core.plan import Decision, Idle, NewRequestData, Rejection, Run, StepOutputs, StepPlan, StepResult, WaitUntil
 from tidal_core.predictor import TtftPredictor
 from tidal_core.queues import UnitQueues
-from tidal_core.refusal_meter import RefusalMeter
 from tidal_core.regime import Regime, RegimeDetector
 from tidal_core.request import FinishReason, Request, RequestStatus
 from tidal_core.service_class import ServiceClass
@@ -72,9 +71,7 @@ class Scheduler:
         self.limits = StepLimits(config, self.q, self.load, self.regime, now)
         self.sizer = self.limits.sizer
         self.tpot = TpotMeter()
-        self.refusals = RefusalMeter()
-        self.view = UnitView(config, self.q, self.load, self.predictor, self.regime, self.limits, self.tpot, self.lane,
-                             self.refusals)
+        self.view = UnitView(config, self.q, self.load, self.predictor, self.regime, self.limits, self.tpot, self.lane)
         self.completion = Completion(self.q, self.stats, self.load, self.predictor, self.sizer)
         self.last_load = 0.0
         self._inflight: StepPlan | None = None
@@ -141,7 +138,7 @@ class Scheduler:
         raw = self.view.predicted_queue_delay_s(now, own, corrected=False)
         state = self.view.unit_state(now, req, raw * self.load.ttft_correction.factor(now))
         rejection = self.admission.check_length(req) or self.admission.check(req, state, self.load)
-        self.refusals.on_arrival(now, rejection is not None and rejection.retryable)
+        self.view.refusals.on_arrival(now, rejection is not None and rejection.retryable)
         if rejection is not None:
             req.status, req.finished_s = RequestStatus.REJECTED, now
             self.stats.rejected[rejection.reason] += 1
