@@ -246,8 +246,11 @@ class EngineLoop:
                     await self._step(decision.plan)
                 elif type(decision) is WaitUntil:
                     self._wake.clear()
+                    # `asyncio.timeout`, not `wait_for`: on Python 3.11 a `wait_for` whose event was
+                    # just set can swallow the loop's cancellation, and `stop()` then waits forever.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), max(0.0, decision.deadline_s - now))
+                        async with asyncio.timeout(max(0.0, decision.deadline_s - now)):
+                            await self._wake.wait()
                 else:
                     assert type(decision) is Idle
                     self._wake.clear()

@@ -84,6 +84,7 @@ class FrontGate:
         self.clock = clock
         self._rng = rng or random.Random()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._pending: set[_Ticket] = set()
         self.pending_for_s = pending_for_s
         # With `count_arrivals` (a gate that never sees the verdicts: the proxy's), the requests on
@@ -116,16 +117,21 @@ class FrontGate:
 
     async def stop(self) -> None:
         if self._task is not None:
+            self._stopping = True  # ends the loop even if a cancellation were lost on the way
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            self._task = None
+            self._task, self._stopping = None, False
 
     async def _run_poll(self) -> None:
         assert self._poll is not None
-        while True:
+        while not self._stopping:
             try:
-                self.observe(await asyncio.wait_for(self._poll(), POLL_TIMEOUT_S))
+                # `asyncio.timeout`, not `wait_for`: on Python 3.11 a `wait_for` whose inner call has
+                # just finished can swallow the task's cancellation, and `stop()` then waits forever.
+                async with asyncio.timeout(POLL_TIMEOUT_S):
+                    load = await self._poll()
+                self.observe(load)
             except asyncio.CancelledError:
                 raise
             except Exception:  # no unit yet, a unit being rebuilt, a timeout: keep the last view
