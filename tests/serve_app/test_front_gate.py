@@ -5,6 +5,7 @@ before the body is read or the engine called; the spread retry-after; the snapsh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
 import time
@@ -291,3 +292,21 @@ def test_requests_answered_without_reaching_a_unit_do_not_stay_on_the_way() -> N
     for _ in range(200):  # far more than 2 s of prefill, had they all stayed counted
         contextvars.copy_context().run(refused_by_the_ingress)
     assert gate.in_flight() == 0 and gate.refusal(600) is None
+
+
+async def test_stop_ends_the_poll_even_when_a_cancellation_is_lost() -> None:
+    # Python 3.11's `asyncio.wait_for` can swallow a cancellation that lands as its inner call
+    # finishes; a poll that swallows it itself stands in for that race, deterministically.
+    entered = asyncio.Event()
+
+    async def poll() -> UnitLoad:
+        entered.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(10)
+        return IDLE
+
+    gate = FrontGate(AdmissionConfig(), poll, period_s=0.001)
+    gate.start()
+    await entered.wait()
+    await asyncio.wait_for(gate.stop(), 2.0)  # the old loop polled on forever: TimeoutError here
+    assert gate.sightings["u1"].load == IDLE
