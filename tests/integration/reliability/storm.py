@@ -55,8 +55,9 @@ async def _storm_client(client: httpx.AsyncClient, base_url: str, model: str, i:
         async with client.stream("POST", base_url + path, json=body) as response:
             out["status"] = response.status_code
             if response.status_code != 200:
-                out["error"] = (await response.aread())[:300].decode("utf-8", "replace")
+                # The headers first: a cut can land while the body is still being read.
                 out["retry_after"] = response.headers.get("retry-after")
+                out["error"] = (await response.aread())[:300].decode("utf-8", "replace")
                 return
             async for line in response.aiter_lines():
                 if not line:
