@@ -2,8 +2,10 @@
 
 Owns: `TidalRequestRouter`, a `ray.serve` `RequestRouter` (alpha API in Ray 2.60) that runs in
 the caller's process (the ingress replicas). Each unit reports its load through
-`ServingUnit.record_routing_stats` (queue delay, KV usage, running/waiting, load, capacity, regime);
-this class turns the reports into `UnitLoad`s and asks the core. With `prefix_routing` (the
+`ServingUnit.record_routing_stats` (queue delay, KV usage, running/waiting, load, capacity, regime,
+prefill cost per prompt token and the TTFT limit of its admission: `published_load`);
+this class turns the reports into `UnitLoad`s and asks the core, with the prompt's size (its
+token ids' count), so a long prompt goes to a unit that will admit it when one would. With `prefix_routing` (the
 default) that is `PrefixAwareRouter` (tidal_core/prefix_routing.py): the request's block hashes
 travel in its `GenerateRequest` (made once by the ingress, `prompt_hashes`), and it prefers the
 unit it sent the same prefix to; otherwise `choose_unit`. Only a request that carries no hashes
@@ -63,15 +65,15 @@ class TidalRequestRouter(FIFOMixin, RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = [UnitLoad.from_stats(uid, r.routing_stats) for uid, r in by_id.items()]
         router: PrefixAwareRouter | None = getattr(self, "_prefix", None)
-        tokens = prompt_token_ids(pending_request) if router is not None else None
+        tokens = prompt_token_ids(pending_request)
         if router is not None and tokens:
             carried = carried_hashes(pending_request)
             hashes = carried.usable_for(self._scheme, len(tokens)) if carried is not None else None
             if hashes is None:  # an older client or a direct call: hash here, as the units do
                 hashes = self._scheme.hash(tokens).hashes
             chosen = router.choose(loads, hashes, len(tokens))
-        else:
-            chosen = choose_unit(loads, rng)
+        else:  # with the prompt's size when known: sent where it will be admitted if a unit would
+            chosen = choose_unit(loads, rng, len(tokens) if tokens else None)
         if chosen is None:
             return [candidate_replicas]
         first = by_id[chosen]

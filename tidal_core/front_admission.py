@@ -30,7 +30,8 @@ estimate (clamped as the unit clamps it); spreading retries over time is `RetryS
 business (tidal_core/retry_spread.py).
 
 `published_load` is the snapshot a unit publishes for this: `Scheduler.snapshot` with
-`prefill_s_per_token` measured as the scheduler's own marginal TTFT prediction and `num_arrived`.
+`prefill_s_per_token` measured as the scheduler's own marginal TTFT prediction, `num_arrived`
+and `ttft_limit_s` (the regime's limit, which the request router's choice reads too).
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """
@@ -50,13 +51,22 @@ DEFAULT_MAX_AGE_S = 5.0  # aged by the drain, a busy snapshot keeps refusing unt
 _PROBE_TOKENS = 1024
 
 
+def ttft_limit_s(cfg: AdmissionConfig, regime: Regime) -> float:
+    """The predicted TTFT past which a unit refuses a request with work ahead (`prefill_backlog`);
+    0 where it never does (admission off, or "protect" mode)."""
+    if not cfg.enabled or cfg.mode == "protect":
+        return 0.0
+    return cfg.target_ttft_s if regime is Regime.OVERLOAD else cfg.burst_factor * cfg.target_ttft_s
+
+
 def published_load(sched: Scheduler, now: float, unit_id: str = "") -> UnitLoad:
     """`sched`'s snapshot with `prefill_s_per_token`: how much a prompt's tokens add to its
-    predicted TTFT now (the measured prefill speed, corrections included)."""
+    predicted TTFT now (the measured prefill speed, corrections included), and `ttft_limit_s`."""
     snap = sched.snapshot(now, unit_id)
     with_prompt = sched.predicted_queue_delay_s(now, _PROBE_TOKENS)
     return dataclasses.replace(snap, prefill_s_per_token=max(0.0, with_prompt - snap.queue_delay_s) / _PROBE_TOKENS,
-                               num_arrived=sched.stats.num_arrived)
+                               num_arrived=sched.stats.num_arrived,
+                               ttft_limit_s=ttft_limit_s(sched.config.admission, snap.regime))
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +132,7 @@ class FrontAdmission:
         # Work ahead (ahead_s > 0) is what makes the unit refuse at all: with none, it would start
         # the request at once, however long its prompt.
         ttft = waited_s + ahead_s + max(0, prompt_tokens) * load.prefill_s_per_token
-        limit = cfg.target_ttft_s if load.regime is Regime.OVERLOAD else cfg.burst_factor * cfg.target_ttft_s
+        limit = ttft_limit_s(cfg, load.regime)
         if ahead_s > 0.0 and ttft > limit:
             return self._refuse(load, "prefill_backlog", ttft - cfg.target_ttft_s,
                                 f"predicted time to first token {ttft:.2f}s exceeds the "

@@ -15,7 +15,9 @@ The choice, for a request of `P` prompt tokens whose longest indexed prefix on u
 tokens:
 
 - if no unit matches at least `min_match_fraction` of the prompt, there is nothing to keep
-  together: the load-only choice (`choose_unit`), which spreads new prefixes;
+  together: the load-only choice (`choose_unit` with the prompt's size: power-of-two on the
+  predicted TTFT, falling back to the best unit when both sampled would refuse it), which
+  spreads new prefixes;
 - else each unit's score is what the request's time to first token would be there: the
   unit's routing score (predicted queueing delay plus its KV penalty) plus the prefill of the
   tokens it does not hold, `(P - m_u) x prefill_s_per_token`. Lowest wins. A match buys the
@@ -119,13 +121,14 @@ class PrefixAwareRouter:
         healthy = [u for u in units if u.healthy]
         if not healthy:
             return None
+        size = num_prompt_tokens if num_prompt_tokens > 0 else None  # the load choice, aware of the prompt
         if not hashes:
             self.num_load += 1
-            return choose_unit(healthy, self.rng)
+            return choose_unit(healthy, self.rng, size)
         chosen = self._by_prefix(healthy, hashes, num_prompt_tokens)
         if chosen is None:
             self.num_load += 1
-            chosen = choose_unit(healthy, self.rng)
+            chosen = choose_unit(healthy, self.rng, size)
             if chosen is None:
                 return None
         else:

@@ -31,6 +31,9 @@ class UnitLoad:
     (core/tpot_meter.py; 0: none measured) and `target_tpot_s` its TPOT target (0: none), the
     autoscaler's hot-unit signal; `refused_fraction` the recent share of its interactive arrivals
     refused for an SLO reason (core/refusal_meter.py; 0: none arrived lately), its refusal signal.
+    `ttft_limit_s` is the predicted TTFT past which its admission refuses a request that has work
+    ahead (the regime's limit; 0: not published, or the unit never refuses for it), so a router
+    can send a long prompt where it will be admitted (core/routing.py).
 
     The batch class (core/batch_lane.py) is reported apart so an autoscaler can count
     interactive demand only: `num_waiting`, `queue_delay_s` and `kv_usage` are interactive
@@ -59,6 +62,7 @@ class UnitLoad:
     batch_running: int = 0
     batch_kv_usage: float = 0.0
     refused_fraction: float = 0.0  # recent share of interactive arrivals refused (core/refusal_meter.py)
+    ttft_limit_s: float = 0.0  # predicted TTFT past which the unit refuses a request with work ahead (0: never)
 
     def to_stats(self) -> dict[str, float]:
         """The wire form: floats only (Serve's stats contract); the unit id is the replica's."""
@@ -80,6 +84,7 @@ class UnitLoad:
             "batch_running": float(self.batch_running),
             "batch_kv_usage": self.batch_kv_usage,
             "refused_fraction": self.refused_fraction,
+            "ttft_limit_s": self.ttft_limit_s,
         }
 
     @classmethod
@@ -95,7 +100,8 @@ class UnitLoad:
                    batch_waiting=int(s.get("batch_waiting", 0)),
                    batch_backlog_tokens=int(s.get("batch_backlog_tokens", 0)),
                    batch_running=int(s.get("batch_running", 0)), batch_kv_usage=float(s.get("batch_kv_usage", 0.0)),
-                   refused_fraction=float(s.get("refused_fraction", 0.0)))
+                   refused_fraction=float(s.get("refused_fraction", 0.0)),
+                   ttft_limit_s=float(s.get("ttft_limit_s", 0.0)))
 
 
 STAT_KEYS: tuple[str, ...] = tuple(UnitLoad("", 0, 0, 0.0, 0.0).to_stats())

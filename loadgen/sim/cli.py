@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from loadgen.sim.config import ROUTINGS
 from tidal_core import POLICIES, AutoscaleConfig, preset
 
 
@@ -159,8 +160,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--prefix-caching", action="store_true",
                    help="turn the prefix cache on (traces with prefix ids, e.g. mooncake-conv, get hits); the summary "
                         "then shows its hit rate beside an unbounded cache's")
-    p.add_argument("--routing", choices=("load", "prefix"), default="load",
-                   help="fleet routing: least-loaded of two (load) or cache-aware (prefix)")
+    p.add_argument("--routing", choices=ROUTINGS, default="load",
+                   help="fleet routing: least predicted TTFT of two, admission-aware (load), cache-aware "
+                        "(prefix), or the previous prompt-blind rule (load-blind)")
     p.add_argument("--hours", type=float, default=None)
     p.add_argument("--rate-scale", type=float, default=1.0)
     p.add_argument("--peak-load", type=float, default=1.3,

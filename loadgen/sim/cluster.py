@@ -3,8 +3,9 @@
 Owns: `Fleet` — which units exist, which are provisioning (a new unit serves only after
 `provisioning_s`, the time to get GPU nodes and load weights), which are draining (no new
 requests; retired once empty), and their GPU-time intervals. Routing calls
-`tidal_core.choose_unit`, or with `routing="prefix"` the cache-aware `PrefixAwareRouter`
-(it reads the units' published loads); scaling calls `tidal_core.decide`: no policy code here.
+`tidal_core.choose_unit` with the request's prompt size on the units' published loads, or with
+`routing="prefix"` the cache-aware `PrefixAwareRouter`, or with `routing="load-blind"` the
+previous prompt-blind `choose_unit`; scaling calls `tidal_core.decide`: no policy code here.
 Imports the unit and the config; must not import the event loop (loadgen.sim.simulation).
 """
 
@@ -61,8 +62,11 @@ class Fleet:
         if len(serving) <= 1:
             return serving[0] if serving else None
         router = self.prefix_router
-        if router is None:
+        if self.config.routing == "load-blind":
             uid = choose_unit([unit_load(u, now) for u in serving], self.rng)
+        elif router is None:
+            uid = choose_unit([published_load(u.sched, now, str(u.uid)) for u in serving], self.rng,
+                              int(num_prompt_tokens))
         else:
             uid = router.choose([published_load(u.sched, now, str(u.uid)) for u in serving], hashes,
                                 num_prompt_tokens)

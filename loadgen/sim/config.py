@@ -14,9 +14,11 @@ from loadgen.report import Slo
 from loadgen.retry_policy import RetryPolicy
 from tidal_core import AutoscaleConfig, SchedulerConfig
 
-ROUTINGS = ("load", "prefix")
-"""Fleet routing: "load" (`choose_unit`, the least-loaded of two) or "prefix" (cache-aware,
-core/prefix_routing.py)."""
+ROUTINGS = ("load", "prefix", "load-blind")
+"""Fleet routing: "load" (`choose_unit` with the prompt's size: the lower predicted TTFT of two,
+or the best unit when both would refuse it), "prefix" (cache-aware, core/prefix_routing.py) or
+"load-blind" (the previous rule, kept for comparison: the lower queueing delay of two, blind to
+the prompt's size and to admission)."""
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ class RunSpec:
     scheduler: SchedulerConfig | None = None  # an exact config (e.g. a Serve config's) instead of preset + SLO
     overrides: dict[str, str] = field(default_factory=dict)  # dotted field=value, applied last
     retries: RetryPolicy | None = None  # clients retry refused requests (the openai client's rules)
-    routing: str = "load"  # fleet routing: "load" or "prefix" (cache-aware)
+    routing: str = "load"  # fleet routing: loadgen/sim/config.py ROUTINGS
     batch_ids: frozenset[int] = frozenset()  # trace indices sent as the batch class (a backlog)
     batch_due_s: float | None = None  # the backlog's due time (None: the trace's end)
 

@@ -88,3 +88,15 @@ def test_the_router_reads_the_carried_hashes_and_hashes_only_without_them(monkey
     calls.clear()
     assert all(choose(r, replicas, carrying(2, h)) == first for h in other)
     assert calls == [513, 513, 513]
+
+
+def test_a_long_prompt_goes_to_the_unit_that_would_admit_it() -> None:
+    def unit(uid: str, delay: float) -> Any:
+        stats = UnitLoad(uid, 4, 2, delay, 0.1, prefill_s_per_token=1e-4, ttft_limit_s=1.0).to_stats()
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid), routing_stats=stats)
+
+    # 4,000 tokens (0.4 s of prefill) would be refused at either busy unit: 1.2 s and 1.3 s past a 1 s limit.
+    replicas = [unit("busy1", 0.8), unit("busy2", 0.9), unit("free", 0.25)]
+    for kw in ({"prefix_routing": False}, {}):
+        r = router(**kw)
+        assert {choose(r, replicas, pending(list(range(4000)))) for _ in range(30)} == {"free"}
