@@ -1,6 +1,6 @@
 """Instructions per scheduler cycle with prefix caching off / on, counted by valgrind: a noise-free check.
 
-    python benchmarks/prefix_cache_instructions.py [--baseline DIR] [--cycles 2400] [--timed 1000]
+    python benchmarks/prefix_cache_instructions.py [--baseline DIR] [--cycles 2400] [--timed 1000] [--off-hashed]
 
 Wall and CPU time on a shared machine move by tens of percent from run to run; instruction
 counts do not. Each mode of `prefix_cache_cycle.py` (cache off; on, prompts without hashes; on,
@@ -14,7 +14,9 @@ extra cycles (by default cycles 1,400-2,200, all after the cache has begun to ev
 figure: instructions per timed cycle, and each mode's ratio to `off` (with `--baseline`, a
 checkout of another commit, for that tree's core too). `PYTHONHASHSEED=0` fixes dict layouts.
 Instructions are not time (cache misses are not counted), but a per-block cost shows in them
-as it does in time. Needs valgrind; about a minute per run.
+as it does in time. `--off-hashed` adds the mode of `prefix_cache_cycle.py --off-hashed`: the
+cache off with every prompt carrying its hashes all the same (what holding them costs: their
+lists are made and freed with the requests). Needs valgrind; about a minute per run.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = {"off": (False, False), "on_unhashed": (True, False), "on_hashed_no_hits": (True, True)}
+OFF_HASHED = {"off_hashed": (False, True)}
 HARNESS = Path(__file__).resolve().parents[1] / "loadgen" / "sim" / "bench.py"
 _CODE = """
 import importlib.util, sys
@@ -53,7 +56,7 @@ for i in range(cycles):
 
 
 def _collected(tree: Path, mode: str, cycles: int, timed: int) -> int:
-    on, hashed = MODES[mode]
+    on, hashed = {**MODES, **OFF_HASHED}[mode]
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0"}
     with tempfile.TemporaryDirectory() as tmp:
         out = subprocess.run(["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=builtin_exec*",
@@ -66,12 +69,12 @@ def _collected(tree: Path, mode: str, cycles: int, timed: int) -> int:
     return int(found.group(1).replace(",", ""))
 
 
-def measure(trees: dict[str, Path], cycles: int, timed: int) -> dict[str, Any]:
+def measure(trees: dict[str, Path], cycles: int, timed: int, modes: dict[str, tuple[bool, bool]]) -> dict[str, Any]:
     short = max(1, timed // 5)
     out: dict[str, Any] = {"cycles": cycles, "timed": timed, "trees": {n: str(t) for n, t in trees.items()}}
     for name, tree in trees.items():
         per = {m: round((_collected(tree, m, cycles, timed) - _collected(tree, m, cycles, short)) / (timed - short))
-               for m in MODES}
+               for m in modes}
         out[name] = {"instructions_per_cycle": per,
                      "ratio_vs_off": {m: round(v / per["off"], 3) for m, v in per.items()}}
         print(json.dumps({name: out[name]}), flush=True)
@@ -84,12 +87,13 @@ def main() -> int:
     ap.add_argument("--cycles", type=int, default=2400)
     ap.add_argument("--timed", type=int, default=1000,
                     help="the last cycles counted (the bench's cache starts evicting after about 1,200)")
+    ap.add_argument("--off-hashed", action="store_true", help="add the mode: cache off, prompts hashed all the same")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     trees = {"this": Path(__file__).resolve().parents[1]}
     if args.baseline is not None:
         trees["baseline"] = args.baseline.resolve()
-    result = measure(trees, args.cycles, args.timed)
+    result = measure(trees, args.cycles, args.timed, {**MODES, **(OFF_HASHED if args.off_hashed else {})})
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

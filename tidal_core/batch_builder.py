@@ -31,6 +31,7 @@ from tidal_core.budget import StepBudget
 from tidal_core.config import SchedulerConfig
 from tidal_core.kv_blocks import NO_NEW_BLOCK
 from tidal_core.plan import NewRequestData
+from tidal_core.prefix_cache import NO_HITS
 from tidal_core.queues import UnitQueues
 from tidal_core.request import Request
 from tidal_core.stats import SchedulerStats
@@ -132,8 +133,12 @@ class BatchBuilder:
                 if blocks.try_allocate(rid, need, keep_free) is None:
                     break
             else:
-                hits = cache.match(req.block_hashes, need)
-                cached = len(hits) * cache.block_size
+                hashes = req.block_hashes
+                if hashes and hashes[0] in cache.run_keys:  # else a miss, known from one probe
+                    hits = cache.match(hashes, need)
+                    cached = len(hits) * cache.block_size
+                else:
+                    hits, cached = NO_HITS, 0
                 grant = budget.grant(need - cached, chunked)
                 if not grant and not static:
                     break

@@ -23,20 +23,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+_new = object.__new__
+
 
 class CachedRun:
+    """Make one with `CachedRun.new`."""
+
     __slots__ = ("blocks", "closed", "end", "hashes", "held_to", "holders", "owner", "start")
 
-    def __init__(self, owner: str, start: int, end: int, hashes: Sequence[int], blocks: list[int]) -> None:
-        self.owner: str | None = owner  # None once the owner freed its table
-        self.start = start
-        self.end = end  # findable blocks: positions [start, end)
-        self.hashes = hashes  # the owner's block hashes, by position (never mutated)
-        self.blocks = blocks  # the owner's block table, by position (only ever appended to)
-        self.holders: dict[str, int] = {}  # request id -> extent: it holds positions [start, extent)
-        self.held_to = start  # the largest extent held (start with no holder)
-        # The owner's later blocks duplicate a run already findable: the run grows no more.
-        self.closed = False
+    owner: str | None  # None once the owner freed its table
+    start: int
+    end: int  # findable blocks: positions [start, end)
+    hashes: Sequence[int]  # the owner's block hashes, by position (never mutated)
+    blocks: list[int]  # the owner's block table, by position (only ever appended to)
+    holders: dict[str, int]  # request id -> extent: it holds positions [start, extent)
+    held_to: int  # the largest extent held (start with no holder)
+    closed: bool  # the owner's later blocks duplicate a run already findable: the run grows no more
+
+    @staticmethod
+    def new(owner: str, start: int, end: int, hashes: Sequence[int], blocks: list[int]) -> CachedRun:
+        """A run its owner computed, positions `[start, end)`, held by no one else yet. Made
+        without a class call (whose `__init__` dispatch costs more than the run's whole setup):
+        a run is made per request that computes blocks, on the scheduler's path."""
+        run = _new(CachedRun)
+        run.owner, run.start, run.end, run.hashes, run.blocks = owner, start, end, hashes, blocks
+        run.holders, run.held_to, run.closed = {}, start, False
+        return run
 
     @property
     def referenced_to(self) -> int:

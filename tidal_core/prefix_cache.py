@@ -37,24 +37,29 @@ Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall cl
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tidal_core.cache_run import CachedRun, Hits
 from tidal_core.kv_blocks import NO_NEW_BLOCK, BlockManager
 from tidal_core.prefix_cache_integrity import CacheState, check_cache_state
 
 _NO_HITS = Hits()  # the empty lookup result, shared: never mutated
+NO_HITS = _NO_HITS
+"""What `match` returns on a miss: callers that test `run_keys` themselves pass it to `allocate_with`."""
 
 
 class PrefixCachingBlockManager(BlockManager):
-    __slots__ = ("_by_hash", "_evict_batch", "_holds", "_lru", "_num_evictable", "_own", "_start", "num_evictions")
+    __slots__ = ("_by_hash", "_evict_batch", "_holds", "_lru", "_num_evictable", "_own", "num_evictions", "run_keys")
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
         super().__init__(num_blocks, block_size, watermark)
         self._by_hash: dict[int, CachedRun] = {}  # a run's first hash -> the run
+        # The same table, read-only, for callers' one-probe miss test: a prompt whose first hash
+        # is not among `run_keys` hits nothing (`match` need not be called).
+        self.run_keys: Mapping[int, CachedRun] = self._by_hash
         self._own: dict[str, CachedRun] = {}  # request id -> the run of blocks it computed
-        self._holds: dict[str, list[tuple[CachedRun, int]]] = {}  # request id -> the runs it hit, extents
-        self._start: dict[str, int] = {}  # request id -> leading blocks it took from the cache (if any)
+        # request id -> the runs it hit, with extents (the last extent: the blocks it took cached)
+        self._holds: dict[str, list[tuple[CachedRun, int]]] = {}
         # Runs with evictable blocks, least recently freed first; each is evicted from its tail.
         self._lru: OrderedDict[CachedRun, None] = OrderedDict()
         self._num_evictable = 0
@@ -141,7 +146,6 @@ class PrefixCachingBlockManager(BlockManager):
                     lru.move_to_end(run)
         self._num_evictable -= reviving
         self._tables[request_id] = [*hits, *self._take(need)]
-        self._start[request_id] = len(hits)
         self._holds[request_id] = hits.spans
         return True
 
@@ -164,11 +168,12 @@ class PrefixCachingBlockManager(BlockManager):
             return
         hashes = hashes if type(hashes) is list else list(hashes)
         by_hash = self._by_hash
-        if request_id not in self._start and hashes[0] not in by_hash:  # no hit, nothing like it cached
+        spans = self._holds.get(request_id)
+        if spans is None and hashes[0] not in by_hash:  # no hit, nothing like it cached
             if upto:
-                self._own[request_id] = by_hash[hashes[0]] = CachedRun(request_id, 0, upto, hashes, table)
+                self._own[request_id] = by_hash[hashes[0]] = CachedRun.new(request_id, 0, upto, hashes, table)
             return
-        start = self._start.get(request_id, 0)
+        start = spans[-1][1] if spans else 0  # the blocks it took from the cache
         if upto <= start:
             return
         reach, last = self._reach(hashes, upto)
@@ -178,7 +183,7 @@ class PrefixCachingBlockManager(BlockManager):
         if last is not None and last.end == p and last.owner is not None and len(last.hashes) > p \
                 and last.hashes[p] == hashes[p]:
             last.closed = True  # its owner would go on computing what this run holds: it stops here
-        self._own[request_id] = by_hash[hashes[p]] = CachedRun(request_id, p, upto, hashes, table)
+        self._own[request_id] = by_hash[hashes[p]] = CachedRun.new(request_id, p, upto, hashes, table)
 
     def _reach(self, hashes: list[int], limit: int) -> tuple[int, CachedRun | None]:
         """How far (at most `limit`) the findable blocks agree with `hashes`, and the last run
@@ -224,6 +229,8 @@ class PrefixCachingBlockManager(BlockManager):
 
     def append_blocks(self, request_ids: list[str]) -> dict[str, list[int]] | None:
         n, free = len(request_ids), self._free
+        if not n:
+            return {}
         if n <= len(free):
             new = free[-n:]
             del free[-n:]
@@ -232,21 +239,23 @@ class PrefixCachingBlockManager(BlockManager):
         else:
             return None
         tables = self._tables
-        for rid, block in zip(request_ids, new, strict=True):
+        granted: dict[str, list[int]] = {}
+        for rid, block in zip(request_ids, new, strict=True):  # one loop for both: it runs every step
             tables[rid].append(block)
-        return {rid: [block] for rid, block in zip(request_ids, new, strict=True)}
+            granted[rid] = [block]
+        return granted
 
     def free(self, request_id: str) -> int:
         """Drop the request's references; its private blocks go back clean, its cached ones stay
         findable. Its own run is queued for eviction before the runs it hit (the tail of a
         prompt is evicted before its head)."""
         table = self._tables.pop(request_id, None)
-        start = self._start.pop(request_id, 0)
         run = self._own.pop(request_id, None)
-        spans = self._holds.pop(request_id, None)
+        spans = self._holds.pop(request_id, None) if self._holds else None
         if not table:
             return 0
         free, lru = self._free, self._lru
+        start = spans[-1][1] if spans else 0  # the blocks it took from the cache
         if run is None:
             free.extend(reversed(table[start:] if start else table))
         else:
@@ -278,25 +287,25 @@ class PrefixCachingBlockManager(BlockManager):
             return new
         new = free[::-1]
         free.clear()
-        k, lru, batch = n - len(new), self._lru, self._evict_batch
+        k, lru, by_hash, batch = n - len(new), self._lru, self._by_hash, self._evict_batch
+        asked = k
         while k > 0:
-            run = next(iter(lru))
+            run = lru.popitem(last=False)[0]
             end, keep = run.end, run.held_to
-            t = end - keep if end - keep <= k + batch else k
-            victims = run.blocks[end - t:end]
-            victims.reverse()  # the tail first
-            if t > k:
-                free += victims[k:]
-                del victims[k:]
-            new += victims
-            k -= t
-            run.end = end - t
-            self._num_evictable -= t
-            self.num_evictions += t
-            if run.end == keep:
-                del lru[run]
-                if keep == run.start:
-                    del self._by_hash[run.hashes[run.start]]
+            if end - keep > k + batch:  # a long tail: only what is asked, and the run stays first in line
+                keep = end - k
+                lru[run] = None
+                lru.move_to_end(run, last=False)
+            elif keep == run.start:  # evicted to its start: forgotten
+                del by_hash[run.hashes[keep]]
+            new.extend(reversed(run.blocks[keep:end]))  # the tail first
+            k -= end - keep
+            run.end = keep
+        if k < 0:  # the rest of a tail taken whole: clean free blocks now
+            free += new[k:]
+            del new[k:]
+        self._num_evictable -= asked - k
+        self.num_evictions += asked - k
         return new
 
     # ---- integrity -----------------------------------------------------------------------
@@ -305,5 +314,6 @@ class PrefixCachingBlockManager(BlockManager):
         evictable or referenced; each run is keyed by its first hash, its blocks are findable
         nowhere else, its owner and holders hold what it says; no free block is findable
         (core/prefix_cache_integrity.py)."""
-        check_cache_state(CacheState(self._tables, self._free, self._by_hash, self._own, self._holds, self._start,
+        start = {rid: spans[-1][1] for rid, spans in self._holds.items()}
+        check_cache_state(CacheState(self._tables, self._free, self._by_hash, self._own, self._holds, start,
                                      self._lru, self._num_evictable, self.num_blocks))

@@ -78,9 +78,13 @@ class UnitQueues:
         cache = self.cache
         if cache is None:
             return 0
-        if req.block_hashes is None and req.prompt_token_ids is not None:
-            req.block_hashes = block_hashes(req.prompt_token_ids, cache.block_size, self._hash_seed)
-        req.expected_cached_tokens = len(cache.match(req.block_hashes, req.num_tokens)) * cache.block_size
+        hashes = req.block_hashes
+        if hashes is None and req.prompt_token_ids is not None:
+            hashes = req.block_hashes = block_hashes(req.prompt_token_ids, cache.block_size, self._hash_seed)
+        if not hashes or hashes[0] not in cache.run_keys:  # the common miss, from one probe
+            req.expected_cached_tokens = 0
+            return 0
+        req.expected_cached_tokens = len(cache.match(hashes, req.num_tokens)) * cache.block_size
         return req.expected_cached_tokens
 
     def enqueue(self, req: Request) -> None:
