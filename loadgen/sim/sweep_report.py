@@ -3,6 +3,7 @@
 Owns: `headline_rows` (one row per cell x SLO: adaptive's goodput, each family's best grid
 value and goodput, the best fixed configuration of all, the ratio), `day_hour_rows` (per hour
 of a day: adaptive, the best fixed configuration over the whole day, and each hour's own best),
+`day_summary_rows` (per day: those summed, the per-hour oracle against the day's best),
 `retry_rows`, `prediction_rows`, `ablation_rows` and `report_markdown` (sweep.md). Reads only
 the cells' JSON (loadgen/sim/sweep_run.py), so a report can be redrawn from a finished run.
 
@@ -75,22 +76,53 @@ def pivot_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
     return cols
 
 
-def day_hour_rows(res: dict[str, Any], slo: str) -> list[dict[str, Any]]:
+def _hour_values(res: dict[str, Any], slo: str) -> tuple[str, list[tuple[Any, Any, str, Any]]] | None:
+    """A day's hours under `slo`: the day's best fixed configuration's label, and per hour adaptive's
+    goodput, that configuration's, and the hour's own best (label, goodput); None if not a day."""
     ad = res["variants"]["adaptive"]["slo"][slo]
     best = best_fixed(res, slo)
     if best is None or "hours" not in ad:
-        return []
+        return None
     baseline = [(label, v) for label, v in res["variants"].items() if v["family"] in BASELINES]
-    rows = []
+    hours = []
     for h, a in enumerate(ad["hours"]):
         own = max(baseline, key=lambda lv: lv[1]["slo"][slo]["hours"][h] or 0.0)
-        fixed = best[1]["slo"][slo]["hours"][h]
-        own_g = own[1]["slo"][slo]["hours"][h]
-        rows.append({"hour": h, "adaptive": a, f"{best[0]} (best over the day)": fixed,
-                     "vs day-best": _ratio(a, fixed) if a is not None and fixed else None,
-                     "hour's own best": f"{own_g:.3g} ({own[0]})" if own_g is not None else None,
-                     "vs hour-best": _ratio(a, own_g) if a is not None and own_g else None,
-                     "adaptive_tpot_p99_ms": ad["hours_tpot_p99_ms"][h]})
+        hours.append((a, best[1]["slo"][slo]["hours"][h], own[0], own[1]["slo"][slo]["hours"][h]))
+    return best[0], hours
+
+
+def day_hour_rows(res: dict[str, Any], slo: str) -> list[dict[str, Any]]:
+    found = _hour_values(res, slo)
+    if found is None:
+        return []
+    label, hours = found
+    tpot = res["variants"]["adaptive"]["slo"][slo]["hours_tpot_p99_ms"]
+    return [{"hour": h, "adaptive": a, f"{label} (best over the day)": fixed,
+             "vs day-best": _ratio(a, fixed) if a is not None and fixed else None,
+             "hour's own best": f"{own_g:.3g} ({own})" if own_g is not None else None,
+             "vs hour-best": _ratio(a, own_g) if a is not None and own_g else None,
+             "adaptive_tpot_p99_ms": tpot[h]} for h, (a, fixed, own, own_g) in enumerate(hours)]
+
+
+def day_summary_rows(results: Sequence[dict[str, Any]], slo: str) -> list[dict[str, Any]]:
+    """One row per day cell: adaptive over the whole day against the day's best fixed configuration,
+    the per-hour oracle (each hour's own best, summed: a fixed knob retuned every hour with
+    hindsight) against the same, adaptive against the oracle, and the hours below `GOAL`. Hours are
+    of equal length, so sums of hourly goodput compare as the day's."""
+    rows = []
+    for res in results:
+        found = _hour_values(res, slo)
+        if found is None:
+            continue
+        label, hours = found
+        a = sum(x[0] or 0.0 for x in hours)
+        fixed = sum(x[1] or 0.0 for x in hours)
+        oracle = sum(x[3] or 0.0 for x in hours)
+        per_hour = [r for x in hours if x[0] is not None and x[1] and (r := _ratio(x[0], x[1])) is not None]
+        rows.append({**_cell_label(res), "day-best": label, "adaptive / day-best": _ratio(a, fixed),
+                     "oracle / day-best": _ratio(oracle, fixed), "adaptive / oracle": _ratio(a, oracle),
+                     "worst hour vs day-best": min(per_hour, default=None),
+                     f"hours below {GOAL}": sum(1 for r in per_hour if r < GOAL)})
     return rows
 
 
@@ -172,6 +204,11 @@ def report_markdown(results: Sequence[dict[str, Any]], slos: dict[str, Any], hea
         pivot = ratio_pivot(results, name)
         parts.append(f"Adaptive / hindsight-best fixed, by trace and GPU x rate (SLO {name}):\n\n"
                      f"{markdown_table(pivot, pivot_columns(pivot))}")
+        days = day_summary_rows(results, name)
+        if days:
+            parts.append(f"### Days, SLO {name}: adaptive, the day's best fixed configuration and the per-hour "
+                         "oracle (each hour's own best fixed configuration, chosen with hindsight)\n\n"
+                         + markdown_table(days, list(days[0])))
         for res in results:
             hours = day_hour_rows(res, name)
             if hours:

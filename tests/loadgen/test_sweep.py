@@ -11,7 +11,7 @@ from calibration.cost_model import CostModel
 from loadgen.retry_policy import RetryPolicy
 from loadgen.sim.runner import unit_config
 from loadgen.sim.sweep_matrix import SLOS, Cell, Family, Window, cell_trace
-from loadgen.sim.sweep_report import best_fixed, day_hour_rows, headline_rows, report_markdown
+from loadgen.sim.sweep_report import best_fixed, day_hour_rows, day_summary_rows, headline_rows, report_markdown
 from loadgen.sim.sweep_run import best_of, run_cell, variant_config
 
 A100 = "a100-llama70b-tp8"
@@ -75,6 +75,15 @@ def test_a_day_has_24_compressed_hours_with_their_own_table(tmp_path: Path) -> N
     rows = day_hour_rows(res, "ttft1-tpot100")
     assert [r["hour"] for r in rows] == list(range(24))
     assert res["variants"]["adaptive"]["runs"]["ttft1-tpot100"]["retries"] is None
+    # The day's summary: sums of the hourly table; the per-hour oracle is never below the day's best.
+    (day,) = day_summary_rows([res], "ttft1-tpot100")
+    fixed_col = next(k for k in rows[0] if k.endswith("(best over the day)"))
+    ad, fixed = sum(r["adaptive"] or 0.0 for r in rows), sum(r[fixed_col] or 0.0 for r in rows)
+    oracle = sum(float(r["hour's own best"].split()[0]) for r in rows if r["hour's own best"])
+    assert day["adaptive / day-best"] == pytest.approx(ad / fixed, abs=1e-3)
+    assert day["oracle / day-best"] == pytest.approx(oracle / fixed, abs=2e-2) and day["oracle / day-best"] >= 1.0
+    assert day["hours below 0.98"] == sum(1 for r in rows if r["vs day-best"] is not None and r["vs day-best"] < 0.98)
     md = report_markdown([res], {"ttft1-tpot100": SLOS["ttft1-tpot100"]}, "# t\n")
     assert "### Per hour: sharp-day-code" in md and "| sharp-day-code | x0.3 | a100 |" in md
+    assert "### Days, SLO ttft1-tpot100" in md
     json.dumps(res)  # a cell is plain JSON
