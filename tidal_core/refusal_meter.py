@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 
+from tidal_core.tpot_meter import decay
+
 REFUSAL_TAU_S = 120.0
 """The meter's time constant: refusals are rare events (about one arrival in a hundred), so the
 mean needs minutes of arrivals to say more than noise, yet a unit starting to refuse shows well
@@ -36,9 +38,9 @@ class RefusalMeter:
 
     def on_arrival(self, now: float, refused: bool) -> None:
         """One interactive arrival judged at `now`; `refused`: turned away for an SLO reason."""
-        decay = math.exp(-min(max(0.0, now - self._t_last), 10.0 * self.tau_s) / self.tau_s)
-        self._arrived = self._arrived * decay + 1.0
-        self._refused = self._refused * decay + (1.0 if refused else 0.0)
+        kept = decay(now - self._t_last, self.tau_s)
+        self._arrived = self._arrived * kept + 1.0
+        self._refused = self._refused * kept + (1.0 if refused else 0.0)
         self._t_last = max(now, self._t_last)
 
     def fraction(self, now: float) -> float:

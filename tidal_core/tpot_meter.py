@@ -1,6 +1,7 @@
 """The measured time per output token: how long a unit's decodes actually wait between tokens.
 
-Owns: `TpotMeter`. Every running decode gets one token per engine step, so the interval between
+Owns: `TpotMeter` and `decay`, the forgetting factor of the unit's time-decayed meters (this
+one and core/refusal_meter.py). Every running decode gets one token per engine step, so the interval between
 two step completions is the time per output token (TPOT) of every decode in the later step:
 what its clients see, host time and prefill chunks included (a step holding decodes always
 follows another step: decodes start from a finished prefill). The meter keeps a token-weighted,
@@ -14,6 +15,13 @@ Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall cl
 from __future__ import annotations
 
 import math
+
+
+def decay(elapsed_s: float, tau_s: float) -> float:
+    """How much of a time-decayed sum survives `elapsed_s` (clamped to [0, 10 tau]: a meter's first
+    update, from minus infinity, keeps e^-10 of nothing)."""
+    return math.exp(-min(max(0.0, elapsed_s), 10.0 * tau_s) / tau_s)
+
 
 TPOT_TAU_S = 30.0
 """The meter's time constant: long enough to average prefill and decode-only steps, short
@@ -37,9 +45,9 @@ class TpotMeter:
         last, self._last_done_s = self._last_done_s, now
         if num_decodes <= 0 or last is None or now < last:
             return
-        decay = math.exp(-min(now - self._t_last, 10.0 * self.tau_s) / self.tau_s)
-        self._tokens = self._tokens * decay + num_decodes
-        self._time = self._time * decay + num_decodes * (now - last)
+        kept = decay(now - self._t_last, self.tau_s)
+        self._tokens = self._tokens * kept + num_decodes
+        self._time = self._time * kept + num_decodes * (now - last)
         self._t_last = now
 
     def tpot_s(self, now: float) -> float:
