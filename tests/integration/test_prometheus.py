@@ -143,8 +143,14 @@ def loaded(serve_cluster: ServeCluster, prometheus: str) -> Iterator[str]:
     for t in threads:
         t.start()
     try:
-        _wait(lambda: _query(prometheus, "sum(rate(ray_tidal_requests_arrived_total[1m])) > 0")
-              and _query(prometheus, "ray_tidal_rejections_total"), 45, "moving tidal series in Prometheus")
+        arriving, rejections = "sum(rate(ray_tidal_requests_arrived_total[1m])) > 0", "ray_tidal_rejections_total"
+        try:
+            _wait(lambda: _query(prometheus, arriving) and _query(prometheus, rejections), 45,
+                  "moving tidal series in Prometheus")
+        except TimeoutError as e:  # say which series is missing, and what the load and the unit saw
+            missing = [q for q in (arriving, rejections) if not _query(prometheus, q)]
+            raise TimeoutError(f"{e}: missing {missing}; burst {Counter(statuses)}; trickle {dict(TRICKLE)}; "
+                               f"sim unit {unit_state('sim', check=False)}") from e
         yield prometheus
     finally:
         stop.set()
