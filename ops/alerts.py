@@ -93,8 +93,6 @@ def serve_router_healthy(group: tuple[str, ...] = ()) -> str:
 
 
 def _capacity_rules(t: Targets) -> list[AlertRule]:
-    rejected = Q.counter_rate(M.REJECTIONS, window="5m", match="", extra='reason!="too_long"')
-    arrived = Q.counter_rate(M.ARRIVALS, window="5m", match="")
     return [
         AlertRule("TidalOverloadSustained", (Condition(Q.gauge(M.REGIME, match=""), "==", t.overload_level),),
                   "10m", "warning", "Unit {{ $labels.unit }} in OVERLOAD for 10 minutes",
@@ -104,10 +102,12 @@ def _capacity_rules(t: Targets) -> list[AlertRule]:
                   "5m", "warning", "Unit {{ $labels.unit }} KV cache {{ $value | humanizePercentage }} full",
                   f"KV-cache usage above {t.kv_alert:.0%} for 5 minutes: admissions stall on KV room and preemptions "
                   "(recompute) follow. Long prompts or outputs, or too few units."),
-        AlertRule("TidalRejectionRateHigh", (Condition(f"{rejected} / {arrived}", ">", t.rejection_ratio),),
+        AlertRule("TidalRejectionRateHigh",
+                  (Condition(Q.refused_fraction(window="5m", match=""), ">", t.rejection_ratio),),
                   "10m", "warning", "{{ $value | humanizePercentage }} of requests rejected (429)",
-                  f"Admission control turned away more than {t.rejection_ratio:.0%} of arrivals for 10 minutes "
-                  "(too_long excluded: those are client errors). Capacity is short of demand."),
+                  f"Admission control turned away more than {t.rejection_ratio:.0%} of the requests offered for 10 "
+                  "minutes, at the units or at the front door (too_long excluded: those are client errors). "
+                  "Capacity is short of demand."),
     ]
 
 

@@ -32,10 +32,11 @@ def _quantiles(defn: M.MetricDef, label: str) -> list[Target]:
 
 def _traffic(t: Targets) -> list[Panel]:
     return [
-        ts("Requests per second", "Arrivals at the routers, completions by finish reason, and rejections.",
+        ts("Requests per second", "Arrivals at the units, completions by finish reason, and refusals (by the "
+           "units' admission or at the front door, before reaching a unit).",
            [Target(Q.counter_rate(M.ARRIVALS), "arrived"),
             Target(Q.counter_rate(M.FINISHED, group=("reason",)), "finished {{reason}}"),
-            Target(Q.counter_rate(M.REJECTIONS), "rejected")], "reqps", width=8),
+            Target(Q.refusals_rate(), "refused")], "reqps", width=8),
         timeline("Regime by unit", "Each unit's traffic regime (LIGHT / STEADY / OVERLOAD), as its scheduler "
                  "calls it (docs/scheduler.md).", [Target(Q.gauge(M.REGIME), UNIT_LEGEND)], REGIME_STATES, width=8),
         ts("Load by unit", "Utilisation: arrival rate over the unit's measured capacity (1 = at capacity). Dashed: "
@@ -123,12 +124,14 @@ def _ratio(hit: M.MetricDef, queried: M.MetricDef) -> str:
 
 
 def _admission(t: Targets) -> list[Panel]:
-    rejected = Q.counter_rate(M.REJECTIONS, extra='reason!="too_long"')
     return [
-        ts("Rejections by reason", "Requests turned away per second (HTTP 429, or 400 for too_long).",
-           [Target(Q.counter_rate(M.REJECTIONS, group=("reason",)), "{{reason}}")], "reqps", width=6),
-        ts("Rejected fraction", "Rejections (too_long excluded) over arrivals. Dashed: the alert mark.",
-           [Target(f"{rejected} / {Q.counter_rate(M.ARRIVALS)}", "rejected")], "percentunit",
+        ts("Rejections by reason", "Requests turned away per second (HTTP 429, or 400 for too_long), by where it "
+           "was decided (a unit's admission, or the front door: the proxy's or an ingress's gate) and reason. "
+           "Front-door refusals belong to no unit: they show whichever units are selected.",
+           [Target(Q.refusals_by_where(), "{{where}} {{reason}}")], "reqps", width=6),
+        ts("Rejected fraction", "Refusals (too_long excluded; by the units and at the front door) over requests "
+           "offered (arrivals at the units plus front-door refusals). Dashed: the alert mark.",
+           [Target(Q.refused_fraction(), "rejected")], "percentunit",
            lines=(t.rejection_ratio,), width=6),
         ts("Preemptions by reason", "Running requests preempted (recompute) per second, by service class and "
            "reason: kv_exhausted, or batch_yield (a batch request gave its slot or KV to interactive ones).",

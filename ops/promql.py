@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from serve_app.metric_defs import UNIT_TAG, MetricDef
+from serve_app.metric_defs import ARRIVALS, FRONT_REFUSALS, REJECTIONS, UNIT_TAG, WHERE_TAG, MetricDef
 
 RATE = "$__rate_interval"
 """Grafana's rate window (four scrape intervals at least): panels never hard-code one."""
@@ -64,6 +64,39 @@ def counter_rate(defn: MetricDef, *, group: tuple[str, ...] = (), window: str = 
     """`sum by (group) (rate(counter{match}[window]))`."""
     _need(defn, "counter")
     return agg("sum", group, f"rate({selector(defn.prom_name, match, extra)}[{window}])")
+
+
+# A request is refused either by a unit's admission (`tidal_rejections`, counted with the unit's
+# arrivals) or at the front door before it reaches one (`tidal_front_refusals`, no unit label: it
+# shows whichever units are selected). Each side is `or vector(0)`: a counter has no series until
+# its first event, and `a + <nothing>` would be empty.
+def refusals_rate(*, window: str = RATE, match: str = UNIT_FILTER, retryable: bool = False) -> str:
+    """Requests refused per second, by the units and at the front door; `retryable`: `too_long`
+    (a client error, 400) left out."""
+    unit = counter_rate(REJECTIONS, window=window, match=match, extra='reason!="too_long"' if retryable else "")
+    front = counter_rate(FRONT_REFUSALS, window=window, match="")
+    return f"({unit} or vector(0)) + ({front} or vector(0))"
+
+
+def offered_rate(*, window: str = RATE, match: str = UNIT_FILTER) -> str:
+    """Requests offered per second: those that reached a unit plus those the front door refused."""
+    front = counter_rate(FRONT_REFUSALS, window=window, match="")
+    return f"{counter_rate(ARRIVALS, window=window, match=match)} + ({front} or vector(0))"
+
+
+def refused_fraction(*, window: str = RATE, match: str = UNIT_FILTER) -> str:
+    """Retryable refusals (unit and front door) over requests offered."""
+    refused = refusals_rate(window=window, match=match, retryable=True)
+    return f"({refused}) / ({offered_rate(window=window, match=match)})"
+
+
+def refusals_by_where(*, window: str = RATE, match: str = UNIT_FILTER) -> str:
+    """Refusals per second by `where` (`unit`, `proxy`, `ingress`) and `reason`: the units' own
+    rejections labelled `where="unit"`, beside the front door's."""
+    unit = (f'label_replace(rate({selector(REJECTIONS.prom_name, match)}[{window}]), "{WHERE_TAG}", "unit", '
+            f'"{UNIT_TAG}", ".*")')
+    return (f"{agg('sum', (WHERE_TAG, 'reason'), unit)} or "
+            f"{counter_rate(FRONT_REFUSALS, group=(WHERE_TAG, 'reason'), window=window, match='')}")
 
 
 def gauge(defn: MetricDef, *, op: str = "max", group: tuple[str, ...] = (UNIT_TAG,), match: str = UNIT_FILTER) -> str:

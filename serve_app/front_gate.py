@@ -73,11 +73,13 @@ class FrontGate:
     def __init__(self, admission: AdmissionConfig, poll: Callable[[], Awaitable[UnitLoad]] | None = None, *,
                  period_s: float = POLL_PERIOD_S, closed: Callable[[], OpenAIError | None] | None = None,
                  pending_for_s: float = PENDING_FOR_S, count_arrivals: bool = False,
+                 on_refusal: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
         self.admission = FrontAdmission(admission)
         self.spread = RetrySpread(admission.max_retry_after_s)
         self.sightings: dict[str, Sighting] = {}
         self.refused: dict[str, int] = {}
+        self._on_refusal = on_refusal  # each 429's reason, e.g. to a counter (`refusal_counter`)
         self._poll = poll
         self._closed = closed  # e.g. a failed unit being rebuilt: 503 at the door
         self.period_s = period_s
@@ -150,6 +152,8 @@ class FrontGate:
         verdict = self.admission.check(self.sightings.values(), now, tokens, waited_s, self._pending_s(now))
         if verdict is not None:
             self.refused[verdict.reason] = self.refused.get(verdict.reason, 0) + 1
+            if self._on_refusal is not None:
+                self._on_refusal(verdict.reason)
             return _rate_limited(verdict)
         per_token = max((s.load.prefill_s_per_token for s in self.sightings.values()), default=0.0)
         if self.count_arrivals:
@@ -203,6 +207,25 @@ class FrontGate:
         the OpenAI clients), both from the one spread delay."""
         delay = self.retry_after_s(base_s)
         return {"Retry-After": str(max(1, math.ceil(delay))), "retry-after-ms": str(max(1, round(delay * 1000)))}
+
+
+def refusal_counter(where: str) -> Callable[[str], None]:
+    """A gate's `on_refusal` that counts its 429s in `tidal_front_refusals{where, reason}`: a request
+    the front door refuses never reaches a unit, so no unit's `tidal_rejections` or arrivals count it
+    (dashboards and the rejection-rate alert add the two). Call inside a Ray worker (proxy, replica)."""
+    from ray.util import metrics as ray_metrics
+
+    from serve_app.metric_defs import FRONT_REFUSALS as D
+    from serve_app.metric_defs import WHERE_TAG
+
+    counter = ray_metrics.Counter(D.name, description=D.description, tag_keys=D.tag_keys)
+    counter.set_default_tags({WHERE_TAG: where})
+    tags: dict[str, dict[str, str]] = {}
+
+    def count(reason: str) -> None:
+        counter.inc(1, tags.get(reason) or tags.setdefault(reason, {"reason": reason}))
+
+    return count
 
 
 def _rate_limited(verdict: FrontRefusal) -> OpenAIError:

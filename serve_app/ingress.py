@@ -40,7 +40,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from serve_app.auth import ApiKeyGate, ApiKeyMiddleware, gate_from_args
-from serve_app.front_gate import FrontGate, FrontGateMiddleware, gate_headers
+from serve_app.front_gate import FrontGate, FrontGateMiddleware, gate_headers, refusal_counter
 from serve_app.key_usage import MeteredEngine
 from serve_app.memory_trim import start_trimming
 from serve_app.openai.errors import OpenAIError, from_engine_error, server_error, unavailable
@@ -353,7 +353,8 @@ class Ingress:
         sampling = resolve_sampling_defaults(read_generation_config(path), _config_sampling(model))
         admission: AdmissionConfig = await router.admission_config.remote()
         handle_client = HandleEngineClient(router, info)
-        self.gate = FrontGate(admission, handle_client.load, closed=handle_client.recovering_error)
+        self.gate = FrontGate(admission, handle_client.load, closed=handle_client.recovering_error,
+                              on_refusal=refusal_counter("ingress"))
         handle_client.on_load = self.gate.observe
         engine: Any = handle_client
         # --- API keys (serve_app/auth.py): None when no key is configured ---

@@ -90,6 +90,11 @@ DISPATCHES = MetricDef("tidal_dispatches", "counter", "Engine steps launched, by
                        (UNIT_TAG, "reason"))
 REJECTIONS = MetricDef("tidal_rejections", "counter", "Requests turned away by admission control, by reason",
                        (UNIT_TAG, "reason"))
+WHERE_TAG = "where"
+"""Where a front-door refusal was decided: `proxy` (Serve's HTTP proxy) or `ingress` (an Ingress replica)."""
+FRONT_REFUSALS = MetricDef("tidal_front_refusals", "counter",
+                           "Requests refused with 429 at the front door (the proxy's or an ingress's gate) before "
+                           "reaching a unit, by where and reason", (WHERE_TAG, "reason"))
 CLASS_TAG = "class"
 """The service class of a request (tidal_core/service_class.py): interactive or batch."""
 PREEMPTIONS = MetricDef("tidal_preemptions", "counter",
@@ -130,7 +135,8 @@ ALL_METRICS: tuple[MetricDef, ...] = (
     TTFT, ITL, E2E, QUEUE_TIME, MICROWAIT, BATCH_SIZE, STEP_TIME, TTFT_PREDICTION,
     RUNNING, WAITING, KV_USAGE, REGIME, LOAD, CAPACITY, QUEUE_DELAY, MEASURED_TPOT, PADDING_WASTE, UNITS_DESIRED,
     UNITS_DEMAND, BATCH_WAITING, BATCH_BACKLOG_TOKENS, BATCH_RUNNING,
-    DISPATCHES, REJECTIONS, PREEMPTIONS, FINISHED, PROMPT_TOKENS, GENERATION_TOKENS, ARRIVALS, ENGINE_ERRORS,
+    DISPATCHES, REJECTIONS, FRONT_REFUSALS, PREEMPTIONS, FINISHED, PROMPT_TOKENS, GENERATION_TOKENS, ARRIVALS,
+    ENGINE_ERRORS,
     PREFIX_QUERIED_TOKENS, PREFIX_HIT_TOKENS, PREFIX_QUERIED_REQUESTS, PREFIX_HIT_REQUESTS,
     BATCH_TOKENS,
     API_REQUESTS, API_TOKENS, AUTH_FAILURES,

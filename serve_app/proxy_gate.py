@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from starlette.datastructures import Headers
@@ -42,7 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve_app.api_keys import KeySet
 from serve_app.auth import INVALID_KEY, UNAUTHORIZED_HEADERS, presented_key
-from serve_app.front_gate import REFUSED_BY, FrontGate, gate_headers
+from serve_app.front_gate import REFUSED_BY, FrontGate, gate_headers, refusal_counter
 from serve_app.openai.http_limits import JSON_ENDPOINTS, error_response
 
 logger = logging.getLogger("ray.serve")  # the proxy's own log (logs/serve/proxy_*.log)
@@ -62,6 +63,7 @@ class ProxyGateMiddleware:
         self.gates: dict[str, tuple[str, FrontGate]] = {}  # route prefix -> (application, its gate)
         self.keys: dict[str, KeySet] = {}  # application -> its Ingress's accepted keys (digests)
         self._auth_failures: Any = None
+        self._refusals: Callable[[str], None] | None = None  # tidal_front_refusals{where="proxy"}, made on first use
         self._task: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -117,6 +119,11 @@ class ProxyGateMiddleware:
             self._auth_failures = ray_metrics.Counter(D.name, description=D.description, tag_keys=D.tag_keys)
         self._auth_failures.inc(1)
 
+    def _count_refusal(self, reason: str) -> None:
+        if self._refusals is None:
+            self._refusals = refusal_counter("proxy")
+        self._refusals(reason)
+
     async def _refresh_keys(self) -> None:
         from ray import serve
 
@@ -154,7 +161,7 @@ class ProxyGateMiddleware:
             async def poll(handle: Any = handle) -> Any:
                 return await handle.load_stats.remote()
 
-            gate = FrontGate(admission, poll, count_arrivals=True)
+            gate = FrontGate(admission, poll, count_arrivals=True, on_refusal=self._count_refusal)
             gate.start()
             self.gates[prefix] = (name, gate)
             logger.info("proxy gate: admission for application %r at %r", name, prefix)

@@ -35,6 +35,7 @@ RULE_FILE = ROOT / "k8s" / "prometheus" / "tidalserve-rules.yaml"
 SIM_MODEL = "sim-llama-70b-a100"
 GAP_RETRY_S = 30.0
 TRICKLE: Counter[str] = Counter()  # the trickle's outcomes (status code or error), for failure messages
+BURST: Counter[tuple[int, str | None]] = Counter()  # the burst's (status, refused by) outcomes
 
 EMPTY_PANEL_QUERIES = {
     ("Preemptions by reason", "{{class}} {{reason}}"): "no request is preempted: the simulated A100 KV pool is "
@@ -94,13 +95,14 @@ def _wait(ok: Any, timeout_s: float, what: str) -> None:
     raise TimeoutError(f"no {what} after {timeout_s:.0f} s")
 
 
-def _burst(base: str, n: int) -> list[int]:
-    async def one(client: httpx.AsyncClient) -> int:
+def _burst(base: str, n: int) -> list[tuple[int, str | None]]:
+    """(status, where it was refused: the `x-tidal-refused-by` header) of each of `n` concurrent requests."""
+    async def one(client: httpx.AsyncClient) -> tuple[int, str | None]:
         r = await client.post(f"{base}/sim/v1/completions", json={
             "model": SIM_MODEL, "prompt": "word " * 1500, "max_tokens": 16, "ignore_eos": True})
-        return r.status_code
+        return r.status_code, r.headers.get("x-tidal-refused-by")
 
-    async def run() -> list[int]:
+    async def run() -> list[tuple[int, str | None]]:
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=n)) as client:
             return list(await asyncio.gather(*(one(client) for _ in range(n))))
 
@@ -134,8 +136,10 @@ def _trickle(base: str, stop: threading.Event, outcomes: Counter[str]) -> None:
 @pytest.fixture(scope="module")
 def loaded(serve_cluster: ServeCluster, prometheus: str) -> Iterator[str]:
     base = serve_cluster.base_url
-    statuses = _burst(base, 120)
-    assert 429 in statuses and 200 in statuses, statuses
+    burst = _burst(base, 120)
+    BURST.update(burst)
+    statuses = [status for status, _ in burst]
+    assert 429 in statuses and 200 in statuses, burst
     httpx.post(f"{base}/v1/completions", json={"model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 2},
                timeout=60)  # the local unit reports its gauges after its first request
     stop = threading.Event()
@@ -143,13 +147,15 @@ def loaded(serve_cluster: ServeCluster, prometheus: str) -> Iterator[str]:
     for t in threads:
         t.start()
     try:
-        arriving, rejections = "sum(rate(ray_tidal_requests_arrived_total[1m])) > 0", "ray_tidal_rejections_total"
+        # The burst's refusals are the unit's (`rejections`) or the front door's (`front_refusals`), or both.
+        arriving = "sum(rate(ray_tidal_requests_arrived_total[1m])) > 0"
+        rejections = "ray_tidal_rejections_total or ray_tidal_front_refusals_total"
         try:
             _wait(lambda: _query(prometheus, arriving) and _query(prometheus, rejections), 45,
                   "moving tidal series in Prometheus")
         except TimeoutError as e:  # say which series is missing, and what the load and the unit saw
             missing = [q for q in (arriving, rejections) if not _query(prometheus, q)]
-            raise TimeoutError(f"{e}: missing {missing}; burst {Counter(statuses)}; trickle {dict(TRICKLE)}; "
+            raise TimeoutError(f"{e}: missing {missing}; burst {dict(BURST)}; trickle {dict(TRICKLE)}; "
                                f"sim unit {unit_state('sim', check=False)}") from e
         yield prometheus
     finally:
@@ -199,6 +205,21 @@ def test_every_dashboard_expression_parses_and_has_data(loaded: str) -> None:
     # The `unit` variable lists every deployed unit (local, sim and keyed; each exports from its first request).
     _wait(lambda: len(httpx.get(f"{loaded}/api/v1/label/unit/values", params={"match[]": "ray_tidal_regime"},
                                 timeout=10).json()["data"]) == 3, 30, "all three units in the unit variable")
+
+
+def test_every_refusal_of_the_burst_is_counted_where_it_was_decided(loaded: str) -> None:
+    # A request refused at the front door never reaches a unit: it is counted in
+    # `front_refusals{where}` (the proxy's or the ingress's gate), a unit's refusal in its `rejections`.
+    # (A 429 without the header would be Serve's own backpressure, counted by Serve's metrics, not these.)
+    refused = Counter(where for (status, where), n in BURST.items() if status == 429 and where for _ in range(n))
+    assert refused, dict(BURST)
+    for where, n in refused.items():
+        name = "ray_tidal_rejections_total" if where == "unit" else f'ray_tidal_front_refusals_total{{where="{where}"}}'
+        deadline = time.monotonic() + GAP_RETRY_S  # Ray exports about every 10 s
+        while (counted := sum(float(r["value"][1]) for r in _query(loaded, f"sum({name})"))) < n \
+                and time.monotonic() < deadline:
+            time.sleep(1.0)
+        assert counted >= n, (where, n, counted, dict(BURST))
 
 
 def test_latency_quantiles_have_values(loaded: str) -> None:

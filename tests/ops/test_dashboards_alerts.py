@@ -140,6 +140,38 @@ def test_promtool_checks_the_rule_file(tmp_path: Path) -> None:
     assert subprocess.run(["promtool", "check", "rules", str(broken)], capture_output=True).returncode != 0
 
 
+ARRIVED = 'ray_tidal_requests_arrived_total{unit="u1"}'
+UNIT_REJECTED = 'ray_tidal_rejections_total{unit="u1",reason="prefill_backlog"}'
+TOO_LONG = 'ray_tidal_rejections_total{unit="u1",reason="too_long"}'
+FRONT_REFUSED = 'ray_tidal_front_refusals_total{where="proxy",reason="prefill_backlog"}'
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (make prometheus)")
+@pytest.mark.parametrize(("series", "fires"), [
+    ({ARRIVED: 60}, False),  # nothing refused: 0, not an empty answer
+    ({ARRIVED: 60, UNIT_REJECTED: 6}, True),  # 0.1 of 1 req/s refused by the unit
+    ({ARRIVED: 60, FRONT_REFUSED: 6}, True),  # 0.1 of 1.1 offered, all at the front door: no unit series at all
+    ({ARRIVED: 60, UNIT_REJECTED: 2, FRONT_REFUSED: 2}, True),  # 4 of 62 per minute: 6.5%, neither alone over 5%
+    ({ARRIVED: 60, FRONT_REFUSED: 2}, False),  # 2 of 62: 3.2%
+    ({ARRIVED: 60, TOO_LONG: 30}, False),  # client errors are not capacity
+])
+def test_the_rejection_alert_counts_the_front_doors_refusals(tmp_path: Path, series: dict[str, int],
+                                                              fires: bool) -> None:
+    # Prometheus itself evaluates the shipped condition over synthetic counters (per-minute increments).
+    rule = {r.name: r for r in alerts.build_rules(TARGETS)}["TidalRejectionRateHigh"]
+    (cond,) = rule.conditions
+    spec = {"evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [{"series": name, "values": f"0+{per_min}x30"} for name, per_min in series.items()],
+        "promql_expr_test": [{"expr": f"({cond.signal}) > bool {cond.threshold}", "eval_time": "20m",
+                              "exp_samples": [{"labels": "{}", "value": int(fires)}]}],
+    }]}
+    test_file = tmp_path / "test.yaml"
+    test_file.write_text(yaml.safe_dump(spec))
+    ok = subprocess.run(["promtool", "test", "rules", str(test_file)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
 def test_grafana_variables_are_substituted() -> None:
     expr = promql.substitute_grafana_vars('rate(x{unit=~"$unit"}[$__rate_interval]) + rate(y[$__range])')
     assert expr == 'rate(x{unit=~".*"}[1m]) + rate(y[1h])'

@@ -68,6 +68,18 @@ async def test_a_busy_units_snapshot_refuses_at_the_door_without_calling_the_eng
     assert engine.requests == [] and gate.refused == {"prefill_backlog": 1}
 
 
+async def test_every_refusal_is_reported_with_its_reason_and_nothing_else_is(tok: Any) -> None:
+    reasons: list[str] = []
+    app, _, gate, _ = gated_app(tok, on_refusal=reasons.append)  # the Ingress's: `tidal_front_refusals`
+    async with client(app) as c:
+        gate.observe(IDLE)
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        gate.observe(BUSY)
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 429
+        assert (await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})).status_code == 429
+    assert reasons == ["prefill_backlog", "prefill_backlog"] == ["prefill_backlog"] * gate.refused["prefill_backlog"]
+
+
 async def test_a_refusal_does_not_read_the_body(tok: Any) -> None:
     app, _, gate, _ = gated_app(tok)
     gate.observe(BUSY)
