@@ -60,8 +60,8 @@ unit: setup
 # tests/gpu run where the venv's torch sees a CUDA device, and are deselected elsewhere.
 test: setup model prometheus aiperf lint
 	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-	  echo "CUDA present: tests/gpu included"; $(PY) -m pytest -q -m "not slow" tests; \
-	else $(PY) -m pytest -q -m "not slow and not gpu" tests; fi
+	  echo "CUDA present: tests/gpu included"; $(PY) -m pytest -q --durations=25 -m "not slow" tests; \
+	else $(PY) -m pytest -q --durations=25 -m "not slow and not gpu" tests; fi
 
 bench: setup
 	$(PY) -m tidal_cli bench scheduler --running 256 --waiting 4096 --json

@@ -10,9 +10,19 @@ default) that is `PrefixAwareRouter` (tidal_core/prefix_routing.py): the request
 travel in its `GenerateRequest` (made once by the ingress, `prompt_hashes`), and it prefers the
 unit it sent the same prefix to; otherwise `choose_unit`. Only a request that carries no hashes
 of the router's scheme (its `block_size` and namespace) gets its prompt token ids hashed here,
-the way the units do. A unit
-that has not reported yet counts as empty. The chosen unit is ranked first, the rest follow
+the way the units do. A unit that has not reported yet counts as empty. The chosen unit is ranked first, the rest follow
 (Serve falls back to them if the first refuses).
+
+Requests on the way. A unit's report reaches the router once per `request_routing_stats_period_s`
+(1 s in configs/prod.yaml); a request this router sent since is in no report yet, and with the
+reports alone a burst would all go to the unit that looked best at the last one (with two units
+the choice is the minimum: herding). So each request sent is held against its unit (`_OnTheWay`:
+its estimated prefill, the prompt's tokens less those the prefix index says the unit holds, x the
+unit's published `prefill_s_per_token`) and added to that unit's reported queue delay and waiting
+count until a newer report counts it: a report whose `num_arrived` grew by k retires the k oldest
+(other routers' requests count as this router's, so this errs low, towards the report), and none
+is held past `ON_THE_WAY_S`. The simulator's fleet routes on a fresh snapshot per arrival and
+needs none of this.
 
 Router kwargs (`request_router_kwargs`): `seed`, `prefix_routing`, `block_size` and
 `index_blocks` (the units' KV block size and pool, which bound each unit's index) and
@@ -21,7 +31,11 @@ Router kwargs (`request_router_kwargs`): `seed`, `prefix_routing`, `block_size` 
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import random
+import time
+from collections.abc import Mapping
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -47,6 +61,32 @@ def carried_hashes(pending_request: PendingRequest | None) -> PromptHashes | Non
     return hashes if isinstance(hashes, PromptHashes) else None
 
 
+ON_THE_WAY_S = 5.0
+"""A request sent counts against its unit's report at most this long (a report lost on the way)."""
+
+
+@dataclasses.dataclass(eq=False)
+class _OnTheWay:
+    """Requests this router sent to one unit that its latest report may not count yet."""
+
+    report: Mapping[str, Any] | None  # the report they are held against (by identity)
+    arrived: int  # its num_arrived
+    sent: collections.deque[tuple[float, float]] = dataclasses.field(default_factory=collections.deque)
+
+    def against(self, report: Mapping[str, Any] | None, load: UnitLoad, now: float) -> UnitLoad:
+        """`load` (read from `report`) with the requests still on the way added."""
+        if report is not self.report:  # a newer report: it counts the requests that arrived since
+            for _ in range(min(len(self.sent), max(0, load.num_arrived - self.arrived))):
+                self.sent.popleft()
+            self.report, self.arrived = report, load.num_arrived
+        while self.sent and now - self.sent[0][0] > ON_THE_WAY_S:
+            self.sent.popleft()
+        if not self.sent:
+            return load
+        return dataclasses.replace(load, num_waiting=load.num_waiting + len(self.sent),
+                                   queue_delay_s=load.queue_delay_s + sum(p for _, p in self.sent))
+
+
 class TidalRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, seed: int | None = None, prefix_routing: bool = True, block_size: int = 16,
                          index_blocks: int = 65536, prefix_cache_namespace: str = "", **kwargs: Any) -> None:
@@ -56,6 +96,7 @@ class TidalRequestRouter(FIFOMixin, RequestRouter):
             self._prefix = PrefixAwareRouter(PrefixRoutingConfig(index_blocks=index_blocks, block_size=block_size),
                                              self._rng)
         self._scheme = HashScheme(block_size, prefix_cache_namespace)
+        self._on_the_way: dict[str, _OnTheWay] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -63,18 +104,37 @@ class TidalRequestRouter(FIFOMixin, RequestRouter):
             return []
         rng = getattr(self, "_rng", None) or random.Random()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        loads = [UnitLoad.from_stats(uid, r.routing_stats) for uid, r in by_id.items()]
+        now = time.monotonic()
+        on_the_way: dict[str, _OnTheWay] | None = getattr(self, "_on_the_way", None)
+        if on_the_way is None:
+            on_the_way = self._on_the_way = {}
+        loads = []
+        for uid, r in by_id.items():
+            load = UnitLoad.from_stats(uid, r.routing_stats)
+            held = on_the_way.get(uid)
+            loads.append(held.against(r.routing_stats, load, now) if held is not None else load)
         router: PrefixAwareRouter | None = getattr(self, "_prefix", None)
         tokens = prompt_token_ids(pending_request)
+        cached = 0  # prompt tokens the chosen unit likely holds (its prefill skips them)
         if router is not None and tokens:
             carried = carried_hashes(pending_request)
             hashes = carried.usable_for(self._scheme, len(tokens)) if carried is not None else None
             if hashes is None:  # an older client or a direct call: hash here, as the units do
                 hashes = self._scheme.hash(tokens).hashes
             chosen = router.choose(loads, hashes, len(tokens))
+            cached = router.last_cached_tokens
         else:  # with the prompt's size when known: sent where it will be admitted if a unit would
             chosen = choose_unit(loads, rng, len(tokens) if tokens else None)
         if chosen is None:
             return [candidate_replicas]
         first = by_id[chosen]
+        if tokens is not None:  # a generate call: held against its unit until a report counts it
+            held = on_the_way.get(chosen)
+            if held is None:
+                report = first.routing_stats
+                held = on_the_way[chosen] = _OnTheWay(report, UnitLoad.from_stats(chosen, report).num_arrived)
+            per_token = next(u.prefill_s_per_token for u in loads if u.unit_id == chosen)
+            held.sent.append((now, (len(tokens) - cached) * per_token))
+            for gone in [u for u in on_the_way if u not in by_id]:  # replicas replaced or scaled away
+                del on_the_way[gone]
         return [[first], [r for r in candidate_replicas if r is not first]]

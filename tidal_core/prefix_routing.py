@@ -107,7 +107,7 @@ class PrefixIndex:
 class PrefixAwareRouter:
     """Chooses a unit for each request and keeps one `PrefixIndex` per unit id it has routed to."""
 
-    __slots__ = ("config", "indexes", "num_affinity", "num_load", "rng")
+    __slots__ = ("config", "indexes", "last_cached_tokens", "num_affinity", "num_load", "rng")
 
     def __init__(self, config: PrefixRoutingConfig, rng: random.Random) -> None:
         self.config = config
@@ -115,6 +115,7 @@ class PrefixAwareRouter:
         self.indexes: dict[str, PrefixIndex] = {}
         self.num_affinity = 0  # choices made on a prefix match
         self.num_load = 0  # choices left to load alone
+        self.last_cached_tokens = 0  # of the last choice: prompt tokens its unit's index already held
 
     def choose(self, units: Sequence[UnitLoad], hashes: Sequence[int] | None, num_prompt_tokens: int) -> str | None:
         """The unit for one new request (None when no unit is healthy); records the choice."""
@@ -122,6 +123,7 @@ class PrefixAwareRouter:
         if not healthy:
             return None
         size = num_prompt_tokens if num_prompt_tokens > 0 else None  # the load choice, aware of the prompt
+        self.last_cached_tokens = 0
         if not hashes:
             self.num_load += 1
             return choose_unit(healthy, self.rng, size)
@@ -136,6 +138,8 @@ class PrefixAwareRouter:
         index = self.indexes.get(chosen)
         if index is None:
             index = self.indexes[chosen] = PrefixIndex(self.config.index_blocks, self.config.stride)
+        else:
+            self.last_cached_tokens = min(num_prompt_tokens, index.match_blocks(hashes) * self.config.block_size)
         index.add(hashes)
         return chosen
 

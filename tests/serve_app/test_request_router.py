@@ -27,11 +27,16 @@ def router(**kw: Any) -> TidalRequestRouter:
     return r
 
 
-def choose(r: TidalRequestRouter, replicas: list[Any], req: Any) -> str:
+def choose(r: TidalRequestRouter, replicas: list[Any], req: Any, *, reported: bool = True) -> str:
+    """The unit chosen first; `reported`: that unit then reports the request arrived, its load
+    otherwise as before (a fresh report for every choice: the choice on the reports alone)."""
     ranked = asyncio.run(r.choose_replicas(replicas, req))
     assert sorted(x.replica_id.unique_id for tier in ranked for x in tier) == sorted(
         x.replica_id.unique_id for x in replicas), "every replica stays a fallback"
-    return str(ranked[0][0].replica_id.unique_id)
+    first = ranked[0][0]
+    if reported:
+        first.routing_stats = {**first.routing_stats, "num_arrived": first.routing_stats["num_arrived"] + 1}
+    return str(first.replica_id.unique_id)
 
 
 def test_a_shared_prompt_prefix_sticks_to_one_unit() -> None:
@@ -100,3 +105,41 @@ def test_a_long_prompt_goes_to_the_unit_that_would_admit_it() -> None:
     for kw in ({"prefix_routing": False}, {}):
         r = router(**kw)
         assert {choose(r, replicas, pending(list(range(4000)))) for _ in range(30)} == {"free"}
+
+
+def test_requests_sent_between_reports_count_against_their_unit() -> None:
+    # Two idle units and no new report for a burst of ten: without the requests on the way,
+    # every one goes to the same unit (with two units the choice is the minimum).
+    for kw in ({"prefix_routing": False}, {}):
+        r = router(**kw)
+        replicas = [replica("a"), replica("b")]
+        sent = [choose(r, replicas, pending([5000 + i, *range(300)]), reported=False) for i in range(10)]
+        assert sorted(sent.count(u) for u in "ab") == [5, 5], sent
+
+
+def test_a_newer_report_retires_the_requests_it_counts(monkeypatch: Any) -> None:
+    import serve_app.request_router as rr
+
+    clock = [100.0]
+    monkeypatch.setattr(rr.time, "monotonic", lambda: clock[0])
+    r = router(prefix_routing=False)
+    a, b = replica("a"), replica("b", delay=0.2)
+    # 400 tokens at 1 ms/token: 0.4 s at a against 0.6 s at b (0.2 s reported queue); once one is held
+    # against a (0.8 s), the next goes to b.
+    assert [choose(r, [a, b], pending(list(range(400))), reported=False) for _ in range(2)] == ["a", "b"]
+    a.routing_stats = {**a.routing_stats, "num_arrived": a.routing_stats["num_arrived"] + 1}  # counts a's one
+    b.routing_stats = {**b.routing_stats, "num_arrived": b.routing_stats["num_arrived"] + 1}
+    assert choose(r, [a, b], pending(list(range(400))), reported=False) == "a"
+    # A report that never comes: what is held expires.
+    assert choose(r, [a, b], pending(list(range(400))), reported=False) == "b"
+    clock[0] += rr.ON_THE_WAY_S + 0.1
+    assert choose(r, [a, b], pending(list(range(400))), reported=False) == "a"
+
+
+def test_a_prompt_the_unit_holds_is_held_against_it_for_its_uncached_tokens_only() -> None:
+    r = router(block_size=16, index_blocks=4096)
+    replicas = [replica("a"), replica("b")]
+    system = list(range(3000, 3512))
+    first = choose(r, replicas, pending([*system, 1]))  # reported: the unit now holds the prefix
+    # Its repeats cost ~1 token of prefill each on the way (not 513): they keep their affinity.
+    assert [choose(r, replicas, pending([*system, 10 + i]), reported=False) for i in range(6)] == [first] * 6

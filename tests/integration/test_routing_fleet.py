@@ -1,0 +1,144 @@
+"""Two simulated units behind tidalserve's request router, routed as configs/prod.yaml routes its
+units: configs/sim.yaml's application with two ServingUnit replicas and prod.yaml's
+`request_router_config` (`TidalRequestRouter`, its routing-stats period), at /fleet, deployed
+beside the session's applications for this module and removed after it. Real Serve, real HTTP,
+the official `openai` client. Which unit served what is read from Ray's metrics export, as
+Prometheus scrapes it: Serve's `replica_healthy` names the application's units, and each unit's
+`tidal_requests_arrived` and prefix-cache counters say what reached it. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.system_prompts import system_prompt
+from tests.integration.conftest import ROOT, ServeCluster, combined_config, wait_healthy
+
+pytestmark = pytest.mark.ray
+APP, PREFIX, UNITS = "fleet", "/fleet", 2
+SIM_MODEL = "sim-llama-70b-a100"
+BLOCK = 16  # the simulated unit's KV block size (engine.block_size's default)
+
+
+def fleet_app() -> dict[str, Any]:
+    """configs/sim.yaml's application with two units and configs/prod.yaml's request router."""
+    (app,) = yaml.safe_load((ROOT / "configs" / "sim.yaml").read_text())["applications"]
+    prod = yaml.safe_load((ROOT / "configs" / "prod.yaml").read_text())
+    (prod_unit,) = [d for a in prod["applications"] for d in a["deployments"] if d["name"] == "ServingUnit"]
+    app = copy.deepcopy(app)
+    (unit,) = [d for d in app["deployments"] if d["name"] == "ServingUnit"]
+    unit["num_replicas"] = UNITS
+    unit["request_router_config"] = prod_unit["request_router_config"]
+    assert unit["request_router_config"]["request_router_class"].endswith(":TidalRequestRouter")
+    return {**app, "name": APP, "route_prefix": PREFIX}
+
+
+def _deploy(config: dict[str, Any]) -> None:
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
+
+
+@pytest.fixture(scope="module")
+def fleet(serve_cluster: ServeCluster) -> Iterator[str]:
+    from ray import serve
+
+    base = combined_config(serve_cluster.http_port)
+    _deploy({**base, "applications": [*base["applications"], fleet_app()]})
+    try:
+        wait_healthy(serve_cluster.base_url + PREFIX, 240)
+        yield serve_cluster.base_url + PREFIX
+    finally:  # the session's applications as they were (unchanged, so not restarted), without the fleet
+        _deploy(base)
+        deadline = time.monotonic() + 120
+        while APP in serve.status().applications and time.monotonic() < deadline:
+            time.sleep(1.0)
+
+
+def _scrape(serve_cluster: ServeCluster) -> list[Any]:
+    text = httpx.get(f"http://127.0.0.1:{serve_cluster.metrics_port}/metrics", timeout=10).text
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def _fleet_units(samples: list[Any]) -> set[str]:
+    return {s.labels["replica"] for s in samples if s.name == "ray_serve_deployment_replica_healthy"
+            and s.labels.get("application") == APP and s.labels.get("deployment") == "ServingUnit" and s.value == 1}
+
+
+def _per_unit(serve_cluster: ServeCluster, name: str, want: Any, timeout_s: float = 60.0) -> dict[str, float]:
+    """{fleet unit: value of counter `name`} once `want(that dict)` holds (Ray exports about every
+    10 s), or the last scrape's values after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = _scrape(serve_cluster)
+        units = _fleet_units(samples)
+        values = dict.fromkeys(units, 0.0)
+        for s in samples:
+            if s.name == name and s.labels.get("unit") in units:
+                values[s.labels["unit"]] += s.value
+        if (len(units) == UNITS and want(values)) or time.monotonic() > deadline:
+            return values
+        time.sleep(1.0)
+
+
+def test_a_burst_is_spread_over_both_units(fleet: str, serve_cluster: ServeCluster) -> None:
+    # Every request of the burst is routed before any unit reports again (a report a second):
+    # on the reports alone all of them would go to the one unit that looked best at the last.
+    n = 32
+
+    async def one(client: httpx.AsyncClient, i: int) -> httpx.Response:
+        return await client.post(f"{fleet}/v1/completions", json={
+            "model": SIM_MODEL, "prompt": f"request {i}: " + "word " * 200, "max_tokens": 8, "ignore_eos": True})
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=n)) as client:
+            return list(await asyncio.gather(*(one(client, i) for i in range(n))))
+
+    responses = asyncio.run(burst())
+    statuses = [r.status_code for r in responses]
+    assert all(s in (200, 429) for s in statuses), statuses
+    assert all("retry-after" in r.headers for r in responses if r.status_code == 429)
+    reached = sum(1 for r in responses if r.status_code == 200 or r.headers.get("x-tidal-refused-by") == "unit")
+    assert reached >= n // 2, statuses  # the door let most through: the units are far from full
+    arrived = _per_unit(serve_cluster, "ray_tidal_requests_arrived_total", lambda v: sum(v.values()) >= reached)
+    assert len(arrived) == UNITS and sum(arrived.values()) >= reached, arrived
+    assert min(arrived.values()) >= reached // 4, arrived  # both units took a fair part of it
+
+
+def test_each_prefix_goes_back_to_the_unit_that_holds_it(fleet: str, serve_cluster: ServeCluster) -> None:
+    # Four fresh ~600-token system prompts, sent together (so spread over both units), then each
+    # again, together: every repeat must find its whole prefix cached, i.e. reach its first unit.
+    client = openai.AsyncOpenAI(base_url=f"{fleet}/v1", api_key="unused", max_retries=0, timeout=120)
+    systems = [system_prompt(950 + i) for i in range(4)]
+
+    async def ask(system: str, question: str) -> Any:
+        r = await client.chat.completions.create(model=SIM_MODEL, max_tokens=4, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": question}])
+        assert r.usage is not None and r.usage.prompt_tokens_details is not None
+        return r.usage
+
+    async def rounds() -> tuple[list[Any], list[Any]]:
+        first = await asyncio.gather(*(ask(s, "Can a refund be escalated?") for s in systems))
+        again = await asyncio.gather(*(ask(s, "Who approves a replacement?") for s in systems))
+        await client.close()
+        return list(first), list(again)
+
+    before = _per_unit(serve_cluster, "ray_tidal_prefix_cache_hit_requests_total", lambda v: True, 0)
+    first, again = asyncio.run(rounds())
+    assert all(u.prompt_tokens_details.cached_tokens == 0 for u in first), first
+    for u in again:  # the system prompt's full blocks, up to where the question differs
+        assert 512 <= u.prompt_tokens_details.cached_tokens < u.prompt_tokens, again
+    hits = _per_unit(serve_cluster, "ray_tidal_prefix_cache_hit_requests_total",
+                     lambda v: all(v.get(u, 0) > before.get(u, 0) for u in v))
+    assert all(hits[u] > before.get(u, 0) for u in hits), (before, hits)  # prefixes on both units, each kept
