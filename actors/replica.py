@@ -27,8 +27,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.engine_spec import EngineInfo, EngineSpec
 from actors.tp_worker import TPWorker
-from actors.worker_setup import EngineInfo, EngineSpec
 from tidal_core.plan import StepPlan, StepResult
 
 

@@ -6,20 +6,24 @@ placement). Start-up is staged so the replica can coordinate the ranks: rendezvo
 many KV blocks this rank could hold) -> `finish(n)` (the agreed minimum on every rank).
 Every rank executes every plan (lock step); only rank 0 returns its StepResult.
 
-Must not import: serve_app except the plan dataclasses.
+torch and the model code are imported in the worker's own methods, not by this module: the
+serving unit's process imports this class to start its workers and never needs torch itself.
+
+Must not import: serve_app except the plan dataclasses; torch at module level.
 """
 
 from __future__ import annotations
 
 import socket
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
-from actors.model_runner import ModelRunner
-from actors.models import TPContext
-from actors.worker_setup import EngineInfo, EngineSpec, WorkerBuilder
+from actors.engine_spec import EngineInfo, EngineSpec
 from tidal_core.plan import StepPlan, StepResult
+
+if TYPE_CHECKING:
+    from actors.model_runner import ModelRunner
+    from actors.worker_setup import WorkerBuilder
 
 
 class TPWorker:
@@ -42,12 +46,19 @@ class TPWorker:
     def init_distributed(self, address: str, port: int, timeout_s: float) -> None:
         if self.world_size == 1:
             return
+        import torch.distributed as dist
+
         backend = "nccl" if self.spec.resolved_device() == "cuda" else "gloo"
         # The timeout bounds a collective whose peer died: the replica surfaces the error first.
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
 
     def load(self) -> tuple[int, EngineInfo]:
+        import torch.distributed as dist
+
+        from actors.models import TPContext
+        from actors.worker_setup import WorkerBuilder
+
         group = dist.group.WORLD if self.world_size > 1 else None
         self.builder = WorkerBuilder(self.spec, TPContext(self.rank, self.world_size, group))
         return self.builder.load()
@@ -72,5 +83,7 @@ class TPWorker:
 
     def shutdown(self) -> None:
         self.runner = None
+        import torch.distributed as dist
+
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,11 +1,11 @@
 """Building a worker's engine from an `EngineSpec`: model, weights, KV budget, graphs, runner.
 
-Owns: `EngineSpec` (the knobs of one replica, plain data so it crosses Ray), `EngineInfo`
-(what the scheduler must know: KV blocks, block size, max model length, EOS ids) and the two
-phases of worker start-up: `WorkerBuilder.load()` (model + weights + how many KV blocks this
-rank could hold) and `WorkerBuilder.finish(num_blocks)` (allocate the agreed number on every
-rank, capture CUDA graphs, return the `ModelRunner`). TP ranks hold different numbers of KV
-heads when shards are uneven, so the replica takes the minimum over ranks.
+Owns: the two phases of worker start-up, `WorkerBuilder.load()` (model + weights + how many KV
+blocks this rank could hold) and `WorkerBuilder.finish(num_blocks)` (allocate the agreed number
+on every rank, capture CUDA graphs, return the `ModelRunner`). TP ranks hold different numbers
+of KV heads when shards are uneven, so the replica takes the minimum over ranks. `EngineSpec` and
+`EngineInfo`, the plain data it builds from and reports, live in actors/engine_spec.py
+(importable without torch) and are re-exported here.
 
 Must not import: ray, serve_app (except the plan dataclasses through model_runner).
 """
@@ -13,7 +13,6 @@ Must not import: ray, serve_app (except the plan dataclasses through model_runne
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,65 +20,12 @@ import torch
 
 from actors import kv_budget, kv_cache, model_loader
 from actors.cuda_graphs import CudaGraphRunner
+from actors.engine_spec import EngineInfo, EngineSpec
 from actors.model_runner import ModelRunner
 from actors.models import LlamaForCausalLM, ModelConfig, TPContext, from_hf_config
-from actors.models.attention import BACKENDS
 from actors.models.cpu_gemm import prepare_cpu_gemm
-from actors.paged_attention import HAVE_TRITON
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSpec:
-    model: str = model_loader.DEFAULT_MODEL
-    tp: int = 1
-    device: str = "auto"  # "cpu", "cuda" or "auto"
-    dtype: str = "auto"  # float32 on CPU (no fast bf16 on small CPUs), bfloat16 on CUDA
-    block_size: int = 16
-    max_model_len: int = 2048
-    max_num_batched_tokens: int = 2048  # the largest step; sizes the GPU activation reserve
-    max_batch_size: int = 64  # the scheduler's largest decode batch (the worst step's decodes)
-    kv_cache_gb: float = 0.25  # CPU KV budget
-    gpu_memory_utilization: float = 0.9
-    max_num_blocks: int | None = None  # cap (tests force preemption with a tiny pool)
-    cuda_graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    cuda_graph_contexts: tuple[int, ...] | None = None  # context buckets (tokens); None: 512 x4 .. max_model_len
-    attention: str = "auto"  # "portable", "triton"; auto: triton on CUDA when Triton imports
-    enforce_eager: bool = False
-    random_config: dict[str, Any] | None = None  # build this HF config with random weights
-    seed: int | None = None
-    torch_threads: int | None = None  # default: (cores - 1) split over the TP ranks, at least 1
-    cpu_gemm: bool = True  # CPU float32: linears through pre-arranged weight layouts (models/cpu_gemm.py)
-
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
-    def resolved_dtype(self) -> torch.dtype:
-        if self.dtype != "auto":
-            return _DTYPES[self.dtype]
-        return torch.bfloat16 if self.resolved_device() == "cuda" else torch.float32
-
-    def resolved_attention(self) -> str:
-        if self.attention == "auto":
-            return "triton" if HAVE_TRITON and self.resolved_device() == "cuda" else "portable"
-        if self.attention not in BACKENDS:
-            raise ValueError(f"attention={self.attention!r}: use 'auto' or one of {BACKENDS}")
-        if self.attention == "triton" and not HAVE_TRITON:
-            raise ValueError("attention='triton' needs Triton (it comes with CUDA builds of torch); use 'portable'")
-        return self.attention
-
-
-@dataclass(frozen=True, slots=True)
-class EngineInfo:
-    num_kv_blocks: int
-    block_size: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    model_path: str | None
-    cuda_graph_buckets: tuple[int, ...] = ()  # captured decode sizes; () = every step eager
+__all__ = ["EngineInfo", "EngineSpec", "WorkerBuilder", "build_local_runner", "with_buckets"]
 
 
 def _random_hf_config(values: dict[str, Any]) -> Any:

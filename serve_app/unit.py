@@ -60,8 +60,8 @@ def build_replica_group(engine: EngineArgs, max_num_batched_tokens: int, buckets
                                                max_model_len=engine.max_model_len, cuda_graph_buckets=buckets,
                                                placeholder_token_id=SIM_PLACEHOLDER_TOKEN)
         return sim, cost.service_prior()
-    from actors.replica import ReplicaGroup  # imports torch: only for the real model
-    from actors.worker_setup import EngineSpec
+    from actors.engine_spec import EngineSpec
+    from actors.replica import ReplicaGroup  # the workers import torch; this process does not
 
     spec = EngineSpec(model=engine.model, tp=engine.tp, device=engine.device, dtype=engine.dtype,
                       block_size=engine.block_size, max_model_len=engine.max_model_len,

@@ -256,3 +256,10 @@ def test_core_reads_no_clock_and_never_sleeps() -> None:
     assert core, "no imports found in tidal_core"
     bad = [f"{i.module}:{i.line} imports {i.target}" for i in core if i.target.split(".")[0] in banned]
     assert not bad, bad
+
+
+def test_the_serving_unit_starts_its_workers_without_importing_torch() -> None:
+    # The unit's process imports what starts its TP workers; only the workers import torch
+    # (actors/engine_spec.py), so a unit does not pay torch's import before its workers pay theirs.
+    loaded = _loaded_by_importing(["serve_app.unit", "actors.replica", "actors.tp_worker", "actors.engine_spec"])
+    assert "torch" not in loaded and "transformers" not in loaded, sorted(loaded)
