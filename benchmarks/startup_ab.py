@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.vs_vllm_cpu import stop_server  # noqa: E402
 from tests.integration.conftest import free_port  # noqa: E402
 
 BODY = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
@@ -59,11 +59,7 @@ def first_answer_s(tree: Path, config: Path, timeout_s: float = 300.0) -> float:
                 time.sleep(0.2)
             raise TimeoutError(f"no answer within {timeout_s:.0f} s ({tree})")
         finally:
-            proc.send_signal(signal.SIGTERM)  # serve run shuts Serve and its Ray instance down
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)  # SIGTERM: serve run shuts Serve and its Ray instance down
             time.sleep(2.0)  # the Ray instance's processes are gone before the next launch
 
 

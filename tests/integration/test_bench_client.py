@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -77,12 +76,9 @@ def served_local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         wait_healthy(url, 420)
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)  # serve run shuts Serve and its Ray instance down
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+        from benchmarks.vs_vllm_cpu import stop_server
+
+        stop_server(proc)  # SIGTERM: serve run shuts Serve and its Ray instance down
         log.close()
 
 
