@@ -10,8 +10,8 @@ default) that is `PrefixAwareRouter` (tidal_core/prefix_routing.py): the request
 travel in its `GenerateRequest` (made once by the ingress, `prompt_hashes`), and it prefers the
 unit it sent the same prefix to; otherwise `choose_unit`. Only a request that carries no hashes
 of the router's scheme (its `block_size` and namespace) gets its prompt token ids hashed here,
-the way the units do. A unit that has not reported yet counts as empty. The chosen unit is ranked first, the rest follow
-(Serve falls back to them if the first refuses).
+the way the units do. A unit that has not reported yet counts as empty. The chosen unit is
+ranked first, the rest follow (Serve falls back to them if the first refuses).
 
 Requests on the way. A unit's report reaches the router once per `request_routing_stats_period_s`
 (1 s in configs/prod.yaml); a request this router sent since is in no report yet, and with the
