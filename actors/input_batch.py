@@ -25,6 +25,7 @@ class RequestState:
     num_computed: int
     block_table: list[int]
     sampling: Any  # tidal_core.SamplingParams (duck-typed: see actors/sampler.py)
+    num_prompt: int = -1  # leading token ids that are the prompt (-1: all; the rest were generated)
 
 
 @dataclass(slots=True)

@@ -86,7 +86,9 @@ class ModelRunner:
             if new.token_ids is None or len(new.token_ids) != new.num_tokens:
                 raise AssertionError(f"step {plan.step_id}: {new.request_id} arrives without its token ids")
             start = _cached_start(plan.step_id, new, self.block_size)
-            states[new.request_id] = RequestState(list(new.token_ids), start, list(new.block_ids), new.sampling)
+            prompt = new.num_prompt_tokens if new.num_prompt_tokens is not None else new.num_tokens
+            states[new.request_id] = RequestState(list(new.token_ids), start, list(new.block_ids), new.sampling,
+                                                  prompt)
         for rid, blocks in plan.new_block_ids.items():
             st = states.get(rid)
             if st is None:
@@ -142,7 +144,10 @@ class ModelRunner:
             params = [self.states[r].sampling for r in rids]
             if self.keep_logits:
                 self.last_logits = dict(zip(rids, logits.cpu().clone(), strict=True))
-            out = self.sampler.sample(logits, params, inputs.sample_positions)
+            histories = None
+            if any(getattr(p, "has_penalties", False) for p in params):  # what the penalties count
+                histories = [(self.states[r].token_ids, self.states[r].num_prompt) for r in rids]
+            out = self.sampler.sample(logits, params, inputs.sample_positions, histories)
             tokens.copy_(torch.tensor(out.token_ids, device=self.device))
             lps = {r: lp for r, lp in zip(rids, out.logprobs, strict=True) if lp is not None}
             logprobs = lps or None

@@ -1,6 +1,9 @@
 """Token sampling for one step, vectorised over the requests that sample.
 
-Owns: `Sampler`: greedy, temperature, top-k, top-p, per-request seeds and optional logprobs.
+Owns: `Sampler`: greedy, temperature, top-k, top-p, per-request seeds, optional logprobs, and
+the penalties (`apply_penalties`: vLLM's order, repetition over prompt and output tokens, then
+frequency and presence over the output tokens, all before temperature; a penalized greedy
+request takes the argmax of the penalized logits; logprobs stay the raw model's).
 Stop tokens and max_tokens are the scheduler's (core) business, stop *strings* the ingress's
 (where text is detokenized); nothing here looks at them.
 
@@ -32,6 +35,38 @@ class SamplingLike(Protocol):
 
     @property
     def is_greedy(self) -> bool: ...
+
+
+History = tuple[list[int], int]
+"""A sampling row's token ids so far (prompt, then generated) and how many lead as the prompt."""
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingLike], histories: list[History]) -> torch.Tensor:
+    """`logits` with each row's penalties applied (a new tensor if any row has one).
+
+    repetition_penalty r (transformers' and vLLM's rule): a logit of a token already in the prompt
+    or the output is divided by r when positive, multiplied by r when negative. Then OpenAI's
+    rule over the output tokens: logit -= frequency_penalty x count + presence_penalty x (count > 0).
+    """
+    rows = [i for i, p in enumerate(params) if getattr(p, "has_penalties", False)]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        p, (ids, num_prompt) = params[i], histories[i]
+        row = logits[i]
+        rep = float(getattr(p, "repetition_penalty", 1.0))
+        if rep != 1.0 and ids:
+            seen = torch.tensor(sorted(set(ids)), device=logits.device)
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / rep, vals * rep)
+        output = ids[num_prompt:] if num_prompt >= 0 else []
+        freq, presence = float(getattr(p, "frequency_penalty", 0.0)), float(getattr(p, "presence_penalty", 0.0))
+        if output and (freq or presence):
+            counts = torch.zeros_like(row).scatter_add_(
+                0, torch.tensor(output, device=logits.device), torch.ones(len(output), device=logits.device))
+            row -= freq * counts + presence * (counts > 0).to(row.dtype)
+    return logits
 
 
 @dataclass(slots=True)
@@ -89,9 +124,14 @@ class Sampler:
                 noise[i].exponential_(generator=self._row_gen)
         return noise
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingLike], positions: list[int]) -> SampleOutput:
-        """logits: float32 [N, vocab] on the sampler's device; positions: index of the sampled token per row."""
+    def sample(self, logits: torch.Tensor, params: list[SamplingLike], positions: list[int],
+               histories: list[History] | None = None) -> SampleOutput:
+        """logits: float32 [N, vocab] on the sampler's device; positions: index of the sampled token per row;
+        histories: each row's token ids so far, needed when any row has a penalty (`apply_penalties`)."""
         n = logits.shape[0]
+        raw = logits
+        if histories is not None:
+            logits = apply_penalties(logits, params, histories)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
@@ -109,7 +149,7 @@ class Sampler:
         out: list[list[tuple[int, float]] | None] = [None] * n
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if lp_rows:
-            logp = logits[lp_rows].log_softmax(dim=-1)
+            logp = raw[lp_rows].log_softmax(dim=-1)
             for j, i in enumerate(lp_rows):
                 out[i] = _top_logprobs(logp[j], token_list[i], int(params[i].logprobs or 0))
         return SampleOutput(token_list, out)

@@ -38,6 +38,8 @@ class NewRequestData:
     `block_ids` is its whole block table so far. `num_computed_tokens` is how many leading
     tokens already have KV in the first blocks of `block_ids` (a prefix-cache hit: blocks
     another request computed); the executor computes nothing for them and starts there.
+    `num_prompt_tokens` is how many of the tokens are the prompt (the rest were generated:
+    what the sampler's presence and frequency penalties count); None: all of them.
     """
 
     request_id: str
@@ -46,6 +48,7 @@ class NewRequestData:
     sampling: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int = 0
+    num_prompt_tokens: int | None = None
 
 
 @step_message

@@ -123,7 +123,8 @@ class UnitQueues:
         rid = req.request_id
         self.announced.add(rid)
         new_reqs.append(NewRequestData(rid, req.all_token_ids(), req.num_tokens, req.sampling,
-                                       list(self.blocks.table(rid)), req.num_computed_tokens))
+                                       list(self.blocks.table(rid)), req.num_computed_tokens,
+                                       req.num_prompt_tokens))
 
     def preempt(self, req: Request) -> None:
         """Free `req`'s KV and put it back at the head of the queue (recompute)."""

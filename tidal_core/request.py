@@ -43,6 +43,10 @@ class SamplingParams:
     `max_tokens` counts generated tokens. `stop_token_ids` end the request with reason
     "stop" (the tokenizer's EOS ids are added by the edge unless `ignore_eos`). Stop *strings*
     are matched where text is detokenized (the ingress), which then aborts the request.
+    Penalties (actors/sampler.py applies them before temperature, greedy included):
+    `presence_penalty` and `frequency_penalty` as OpenAI defines them, over the tokens generated
+    so far (-2 to 2); `repetition_penalty` as vLLM and transformers define it, over the prompt and
+    the generated tokens (above 0; 1 is off).
     """
 
     max_tokens: int = 16
@@ -54,6 +58,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -68,6 +75,16 @@ class SamplingParams:
             raise ValueError(f"logprobs={self.logprobs} must be between 0 and 20")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be between 0 and max_tokens")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name}={value} must be between -2 and 2")
+        if not math.isfinite(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be in (0, 2] (1 is off)")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def is_greedy(self) -> bool:

@@ -104,10 +104,13 @@ class SamplingFields(OpenAIModel):
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
         None, description=f"Up to {MAX_STOP_STRINGS} non-empty stop strings")
     seed: Int64 | None = None
-    presence_penalty: Float | None = Field(None, description="Only 0 is supported", **_only(minimum=0, maximum=0))
-    frequency_penalty: Float | None = Field(None, description="Only 0 is supported", **_only(minimum=0, maximum=0))
-    repetition_penalty: Float | None = Field(None, description="Extension; only 1 is supported",
-                                             **_only(minimum=1, maximum=1))
+    presence_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = Field(
+        None, description="-2 to 2: subtracted from the logit of every token already generated (default 0)")
+    frequency_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = Field(
+        None, description="-2 to 2: subtracted, times its count, from the logit of each token generated (default 0)")
+    repetition_penalty: Annotated[Float, Field(gt=0.0, le=2.0)] | None = Field(
+        None, description="Extension (vLLM's): above 1 discourages any token of the prompt or the output, below 1 "
+        "favours them (default 1, off)")
     logit_bias: dict[str, float] | None = Field(None, description="Not supported (must be empty)",
                                                 **_only(maxProperties=0))
     user: StrictStr | None = None
@@ -137,20 +140,6 @@ class SamplingFields(OpenAIModel):
             raise PydanticCustomError("invalid_value", "top_k={k} must be -1 or 0 (disabled) or a positive integer",
                                       {"k": k})
         return k
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None, info: Any) -> float | None:
-        if value not in (None, 0.0):
-            raise _unsupported(info.field_name, repr(value), "only 0 is accepted")
-        return value
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _no_repetition_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 1.0):
-            raise _unsupported("repetition_penalty", repr(value), "only 1 is accepted")
-        return value
 
     @field_validator("logit_bias")
     @classmethod

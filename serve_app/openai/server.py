@@ -271,7 +271,9 @@ class OpenAIServer:
                 top_p=defaults.top_p if request.top_p is None else request.top_p,
                 top_k=-1 if top_k == 0 else top_k,
                 seed=request.seed, stop_token_ids=frozenset(stop_ids), ignore_eos=request.ignore_eos,
-                logprobs=logprobs, min_tokens=request.min_tokens)
+                logprobs=logprobs, min_tokens=request.min_tokens,
+                presence_penalty=request.presence_penalty or 0.0, frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty)
         except ValueError as err:  # SamplingParams names the value: "min_tokens=9 must be ..."
             message = str(err)
             raise bad_request(message, message.split("=", 1)[0] if "=" in message else None) from err

@@ -67,6 +67,43 @@ def test_logprobs_sampled_first_then_distinct_top_n() -> None:
     assert Sampler().sample(logits, [SamplingParams(temperature=0.0)], [0]).logprobs == [None]
 
 
+def test_penalties_follow_openai_and_transformers_definitions() -> None:
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from actors.sampler import apply_penalties
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    prompt, output = [3, 7, 7, 9], [7, 11, 11, 11, 4]
+    history = (prompt + output, len(prompt))
+    params = [SamplingParams(repetition_penalty=1.5), SamplingParams(frequency_penalty=0.5, presence_penalty=-0.3),
+              SamplingParams()]
+    before = logits.clone()
+    got = apply_penalties(logits, params, [history] * 3)
+    # repetition: transformers' processor over every token id so far (prompt and output)
+    ref = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([prompt + output]), logits[0:1].clone())
+    assert torch.allclose(got[0], ref[0])
+    # OpenAI: logit - frequency x count - presence x (count > 0), over the generated tokens only
+    want = logits[1].clone()
+    for token, n in Counter(output).items():
+        want[token] -= 0.5 * n - 0.3
+    assert torch.allclose(got[1], want) and got[1][3] == logits[1][3]  # a prompt-only token is untouched
+    assert torch.equal(got[2], logits[2]) and torch.equal(logits, before)  # no penalty: as it was; input untouched
+
+
+def test_a_penalized_greedy_row_takes_the_penalized_argmax_and_keeps_raw_logprobs() -> None:
+    logits = torch.full((1, 10), -5.0)
+    logits[0, 4], logits[0, 6] = 3.0, 2.5
+    history = ([1, 4, 4], 1)  # token 4 generated twice
+    plain = SamplingParams(temperature=0.0, logprobs=1)
+    penalized = SamplingParams(temperature=0.0, logprobs=1, frequency_penalty=1.0)
+    assert Sampler().sample(logits.clone(), [plain], [3], [history]).token_ids == [4]
+    out = Sampler().sample(logits.clone(), [penalized], [3], [history])
+    assert out.token_ids == [6]  # 3.0 - 2 x 1.0 < 2.5
+    assert out.logprobs[0] is not None
+    assert out.logprobs[0][0][1] == pytest.approx(float(logits[0].log_softmax(-1)[6]))  # the model's own
+
+
 def test_split_evenly_and_head_partition() -> None:
     assert [split_evenly(10, 3, r) for r in range(3)] == [(0, 4), (4, 3), (7, 3)]
     smol = [head_partition(9, 3, 2, r) for r in range(2)]  # SmolLM2 at TP=2: uneven groups

@@ -99,6 +99,22 @@ def test_greedy_equals_transformers_generate_smollm2(smol_path: Path) -> None:
         assert got == ref
 
 
+def test_greedy_with_a_repetition_penalty_equals_transformers_generate_smollm2(smol_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smol_path)
+    prompts = [tok(t)["input_ids"] for t in ("Give me a tip for sleeping better:", "1, 2, 3, 4, 5,")]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+    ours = generate_ids(local_executor(smol_path), prompts, params)
+    hf = hf_model(smol_path)
+    for p, got in zip(prompts, ours, strict=True):
+        ids = torch.tensor([p])
+        with torch.inference_mode():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                              repetition_penalty=1.3, pad_token_id=tok.eos_token_id)[0, len(p):].tolist()
+        assert got == ref
+
+
 def test_greedy_equals_transformers_generate_tiny(tiny_path: Path) -> None:
     ours = generate_ids(local_executor(tiny_path), PROMPTS, GREEDY)
     hf = hf_model(tiny_path)
@@ -108,6 +124,20 @@ def test_greedy_equals_transformers_generate_tiny(tiny_path: Path) -> None:
             ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
                               do_sample=False, pad_token_id=0)[0, len(p):].tolist()
         assert got == ref
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.8])
+def test_greedy_with_a_repetition_penalty_equals_transformers_generate(tiny_path: Path, penalty: float) -> None:
+    params = SamplingParams(max_tokens=GREEDY.max_tokens, temperature=0.0, ignore_eos=True, repetition_penalty=penalty)
+    ours = generate_ids(local_executor(tiny_path), PROMPTS, params)
+    hf = hf_model(tiny_path)
+    for p, got in zip(PROMPTS, ours, strict=True):
+        ids = torch.tensor([p])
+        with torch.inference_mode():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
+                              do_sample=False, pad_token_id=0, repetition_penalty=penalty)[0, len(p):].tolist()
+        assert got == ref
+    assert ours != generate_ids(local_executor(tiny_path), PROMPTS, GREEDY)  # the penalty changed the output
 
 
 def test_chunked_prefill_equals_unchunked(tiny_path: Path) -> None:

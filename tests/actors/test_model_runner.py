@@ -55,6 +55,18 @@ def test_seeded_sampling_is_reproducible_across_batches_and_preemption(tiny_path
     assert [c.token_ids for c in make_engine(ex).generate(PROMPTS, other_seeds)] != batched
 
 
+def test_penalties_count_the_tokens_generated_before_a_preemption(tiny_path: Path) -> None:
+    # A resumed request's token ids come back as prompt + generated; the penalties must still tell them apart.
+    penalized = SamplingParams(max_tokens=LONG.max_tokens, temperature=0.0, ignore_eos=True, frequency_penalty=1.5,
+                               presence_penalty=0.5)
+    roomy = generate_ids(local_executor(tiny_path, block_size=4, max_model_len=80), PROMPTS, penalized)
+    engine = make_engine(local_executor(tiny_path, block_size=4, max_model_len=80, max_num_blocks=20))
+    got = [c.token_ids for c in engine.generate(PROMPTS, penalized)]
+    assert sum(engine.scheduler.stats.preempted.values()) > 0, "the tiny pool must force a preemption"
+    assert got == roomy
+    assert roomy != generate_ids(local_executor(tiny_path, block_size=4, max_model_len=80), PROMPTS, LONG)
+
+
 def test_abort_frees_runner_state(tiny_path: Path) -> None:
     ex = local_executor(tiny_path)
     engine = make_engine(ex)

@@ -59,6 +59,16 @@ def test_stop_string_ends_early(client: openai.OpenAI) -> None:
     assert " 8" not in r.choices[0].text and r.choices[0].finish_reason == "stop"
 
 
+def test_penalties_through_the_official_client(client: openai.OpenAI) -> None:
+    # Counting on, greedily, repeats ", " every other token: a frequency penalty must change that.
+    plain = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=16, temperature=0)
+    penalized = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=16, temperature=0,
+                                          frequency_penalty=2.0, presence_penalty=0.5)
+    assert plain.choices[0].text.count(",") > penalized.choices[0].text.count(","), (plain, penalized)
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, frequency_penalty=2.5)
+
+
 @pytest.mark.parametrize("body, status, fragment", [
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 100_000}, 400, "max_tokens"),

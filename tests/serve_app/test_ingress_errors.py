@@ -37,7 +37,7 @@ INFO = ModelInfo(MODEL, 2048, (2,), "hf")
     ("/v1/completions", {"prompt": "x", "model": "gpt-4o"}, "model"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 1}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),

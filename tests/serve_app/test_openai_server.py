@@ -158,6 +158,12 @@ async def test_sampling_params_from_the_request(tok: Any) -> None:
     await server.create_completion(CompletionRequest(prompt="x", ignore_eos=True, max_tokens=20))
     sp = engine.requests[1].sampling
     assert sp.ignore_eos and EOS not in sp.stop_token_ids and sp.max_tokens == 20
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert not sp.has_penalties
+    await server.create_completion(CompletionRequest(prompt="x", presence_penalty=-0.5, frequency_penalty=1.25,
+                                                     repetition_penalty=1.1))
+    sp = engine.requests[2].sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (-0.5, 1.25, 1.1)
 
 
 async def test_stop_string_truncates_and_closes_the_engine_stream(tok: Any) -> None:
