@@ -25,6 +25,10 @@ from collections.abc import Sequence
 
 _new = object.__new__
 
+NO_HOLDERS: dict[str, int] = {}
+"""The holders of every run no one has hit: one shared empty dict, never written (a run's first
+hit gives it a dict of its own), so a run that is never hit costs no dict of its own."""
+
 
 class CachedRun:
     """Make one with `CachedRun.new`."""
@@ -36,7 +40,7 @@ class CachedRun:
     end: int  # findable blocks: positions [start, end)
     hashes: Sequence[int]  # the owner's block hashes, by position (never mutated)
     blocks: list[int]  # the owner's block table, by position (only ever appended to)
-    holders: dict[str, int]  # request id -> extent: it holds positions [start, extent)
+    holders: dict[str, int]  # request id -> extent: it holds positions [start, extent); NO_HOLDERS with none yet
     held_to: int  # the largest extent held (start with no holder)
     closed: bool  # the owner's later blocks duplicate a run already findable: the run grows no more
 
@@ -47,7 +51,7 @@ class CachedRun:
         a run is made per request that computes blocks, on the scheduler's path."""
         run = _new(CachedRun)
         run.owner, run.start, run.end, run.hashes, run.blocks = owner, start, end, hashes, blocks
-        run.holders, run.held_to, run.closed = {}, start, False
+        run.holders, run.held_to, run.closed = NO_HOLDERS, start, False
         return run
 
     @property

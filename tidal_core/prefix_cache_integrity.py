@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tidal_core.cache_run import CachedRun
+from tidal_core.cache_run import NO_HOLDERS, CachedRun
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,8 @@ def check_cache_state(s: CacheState) -> None:
             raise AssertionError(f"request {rid}: cached-block count out of range")
     if not set(s.start) | set(s.own) | set(s.holds) <= set(s.tables):
         raise AssertionError("cache bookkeeping kept for requests without a table")
+    if NO_HOLDERS:
+        raise AssertionError("the shared empty holders of runs no one hit were written to")
     findable, evictable = _check_runs(s)
     _check_references(s, counts, findable)
     for b in s.free:
