@@ -1,8 +1,8 @@
 """A run of cached KV blocks: the unit the prefix cache keys, shares and evicts by.
 
-Owns: `CachedRun` and `Hits`. A run is a stretch of consecutive full prompt blocks that one
-request (its *owner*) computed itself, positions `[start, end)` of the owner's block table, with
-the owner's chained block hashes. Only the run's first hash is a key of the cache's hash table:
+Owns: `CachedRun`, `Hits` and `NO_HOLDERS`. A run is a stretch of consecutive full prompt
+blocks that one request (its *owner*) computed itself, positions `[start, end)` of the owner's
+block table, with the owner's chained block hashes. Only the run's first hash is a key of the cache's hash table:
 a chained hash stands for its whole prefix, so a lookup that finds a run's first block goes on
 comparing the query's next hashes with the run's own, position by position (a C-level slice
 comparison), instead of one table entry per block. Registering, freeing and evicting then cost a
@@ -12,6 +12,10 @@ Who holds what: while the owner lives, its table references the whole run; anoth
 hit the run (a *holder*) references its leading blocks `[start, extent)`. Once the owner is gone,
 blocks past every holder's extent (`held_to`) are *evictable*: still findable, counted as free,
 evicted from the run's tail when clean blocks run out.
+
+A run no one has hit has no holders dict of its own: it shares the empty `NO_HOLDERS`, which is
+never written (the first hit gives the run its own), so a request that is never hit costs the
+cache one small object, its run.
 
 `Hits` is what a cache lookup returns: the hit block ids (a list) and the runs they come from,
 each with the extent the request would hold.

@@ -25,7 +25,10 @@ with the run's by slices and goes on at the next run's key. A request that compu
 findable run already holds keeps its copies private (freed clean); a run whose owner would go
 on computing what a newer run holds stops there. Registering, freeing and evicting are a few
 operations per run and list slices per block, so the cache costs the scheduler little when it
-saves nothing, and requests without hashes never touch a run. When clean blocks run out, a
+saves nothing, and requests without hashes never touch a run. A request that hits nothing has
+its own path through each step (registering its first chunk makes its run inline, freeing it is
+one queue entry, the first eviction branch takes it whole), and its run has no holders dict of
+its own until a hit (core/cache_run.py `NO_HOLDERS`). When clean blocks run out, a
 run's evictable tail is evicted whole if that is at most 1/512 of the pool more than needed.
 
 A block is in exactly one of three states: clean-free (in `_free`), evictable (in a run, held
@@ -298,42 +301,36 @@ class PrefixCachingBlockManager(BlockManager):
         return len(table)
 
     def _take(self, n: int) -> list[int]:
-        """`n` (>= 1, at most `num_free_blocks`) blocks: clean ones first, then evicted ones from
-        the tails of the least recently freed runs (a run evicted to its start is forgotten). A
-        run's evictable tail goes whole when that is at most `_evict_batch` blocks more than
-        asked; the surplus joins the clean list, so the next takes are plain pops."""
+        """`n` (>= 1, at most `num_free_blocks`) blocks: every clean one before any eviction, then
+        blocks evicted from the tails of the least recently freed runs (a run evicted to its start
+        is forgotten), moved onto the clean list and taken from it with the clean ones. A run's
+        evictable tail goes whole when that is at most `_evict_batch` blocks more than asked; the
+        surplus stays on the clean list, so the next takes are plain pops."""
         free = self._free
         if n <= len(free):
             new = free[-n:]
             del free[-n:]
             new.reverse()
             return new
-        new = free[::-1]
-        free.clear()
-        k, lru = n - len(new), self._lru
-        evicted = k
-        while True:  # a run's tail at a time, the least recently freed run first
-            run = lru.popitem(False)[0]  # the least recently freed (positional: no keyword parsing)
+        k, lru = n - len(free), self._lru
+        evicted = 0
+        while evicted < k:  # a run's tail at a time, the least recently freed run first, into the clean list
+            run = lru.popitem(False)[0]  # positional: no keyword parsing
             end, keep = run.end, run.held_to
-            if end - keep > k + self._evict_batch:  # a long tail: only what is asked, the run stays first in line
-                keep = run.end = end - k
+            if end - keep > k - evicted + self._evict_batch:  # a long tail: only what is asked, it stays first
+                keep = end - (k - evicted)
                 lru[run] = None
                 lru.move_to_end(run, last=False)
-                new.extend(reversed(run.blocks[keep:end]))
-                break
-            new.extend(reversed(run.blocks[keep:end]))  # the tail first
-            run.end = keep
-            if keep == run.start:  # evicted to its start: forgotten
+            elif keep == run.start:  # evicted to its start: forgotten
                 del self._by_hash[run.hashes[keep]]
-            k -= end - keep
-            if k <= 0:
-                if k:  # the rest of a tail taken whole: clean free blocks now
-                    free += new[k:]
-                    del new[k:]
-                    evicted -= k
-                break
+            free += run.blocks[keep:end]  # taken from the end below: the tail first
+            evicted += end - keep
+            run.end = keep
         self._num_evictable -= evicted
         self.num_evictions += evicted
+        new = free[-n:]
+        del free[-n:]
+        new.reverse()
         return new
 
     # ---- integrity -----------------------------------------------------------------------

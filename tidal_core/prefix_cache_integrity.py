@@ -5,7 +5,8 @@ Owns: `CacheState` (a read-only view of the manager's tables, pools and runs) an
 clean-free, evictable or referenced; each run (core/cache_run.py) is keyed by its first hash,
 in range, its blocks findable in no other run, its owner's table its own, its holders' extents
 what their tables hold; the eviction queue is exactly the runs with evictable blocks; no free
-block is findable ("free and dirty": a later writer would corrupt a hit). Tests call it after
+block is findable ("free and dirty": a later writer would corrupt a hit); the holders dict that
+runs no one has hit share (`NO_HOLDERS`) is empty. Tests call it after
 every operation; the scheduler never does.
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
