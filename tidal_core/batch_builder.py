@@ -122,6 +122,7 @@ class BatchBuilder:
         keep_free = max(floor, blocks.watermark_blocks if (q.decodes.reqs or q.prefilling) else 0)
         chunked, static, cache = self.chunked, self.static, q.cache
         admitted = total = cached = 0
+        queried = hit_requests = hit_tokens = 0  # with the cache: counted here, recorded once after the loop
         while waiting and admitted < limit:
             req = waiting[0]
             rid = req.request_id
@@ -144,7 +145,10 @@ class BatchBuilder:
                     break
                 if not cache.allocate_with(rid, need, hits, keep_free):
                     break
-                self.stats.record_prefix_query(need, cached)
+                queried += need
+                if cached:
+                    hit_requests += 1
+                    hit_tokens += cached
             q.start_prefill(req, now, cached)
             admitted += 1
             keep_free = max(floor, blocks.watermark_blocks)
@@ -154,4 +158,6 @@ class BatchBuilder:
                 budget.charge(grant)
                 total += grant
                 q.announce(req, new_reqs)
+        if queried:  # every request admitted above asked the cache
+            self.stats.record_prefix_queries(admitted, queried, hit_requests, hit_tokens)
         return total

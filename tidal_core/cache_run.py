@@ -1,8 +1,8 @@
 """A run of cached KV blocks: the unit the prefix cache keys, shares and evicts by.
 
-Owns: `CachedRun` and `Hits`. A run is a stretch of consecutive full prompt blocks that one
-request (its *owner*) computed itself, positions `[start, end)` of the owner's block table, with
-the owner's chained block hashes. Only the run's first hash is a key of the cache's hash table:
+Owns: `CachedRun`, `Hits` and `NO_HOLDERS`. A run is a stretch of consecutive full prompt
+blocks that one request (its *owner*) computed itself, positions `[start, end)` of the owner's
+block table, with the owner's chained block hashes. Only the run's first hash is a key of the cache's hash table:
 a chained hash stands for its whole prefix, so a lookup that finds a run's first block goes on
 comparing the query's next hashes with the run's own, position by position (a C-level slice
 comparison), instead of one table entry per block. Registering, freeing and evicting then cost a
@@ -12,6 +12,10 @@ Who holds what: while the owner lives, its table references the whole run; anoth
 hit the run (a *holder*) references its leading blocks `[start, extent)`. Once the owner is gone,
 blocks past every holder's extent (`held_to`) are *evictable*: still findable, counted as free,
 evicted from the run's tail when clean blocks run out.
+
+A run no one has hit has no holders dict of its own: it shares the empty `NO_HOLDERS`, which is
+never written (the first hit gives the run its own), so a request that is never hit costs the
+cache one small object, its run.
 
 `Hits` is what a cache lookup returns: the hit block ids (a list) and the runs they come from,
 each with the extent the request would hold.
@@ -25,6 +29,10 @@ from collections.abc import Sequence
 
 _new = object.__new__
 
+NO_HOLDERS: dict[str, int] = {}
+"""The holders of every run no one has hit: one shared empty dict, never written (a run's first
+hit gives it a dict of its own), so a run that is never hit costs no dict of its own."""
+
 
 class CachedRun:
     """Make one with `CachedRun.new`."""
@@ -36,7 +44,7 @@ class CachedRun:
     end: int  # findable blocks: positions [start, end)
     hashes: Sequence[int]  # the owner's block hashes, by position (never mutated)
     blocks: list[int]  # the owner's block table, by position (only ever appended to)
-    holders: dict[str, int]  # request id -> extent: it holds positions [start, extent)
+    holders: dict[str, int]  # request id -> extent: it holds positions [start, extent); NO_HOLDERS with none yet
     held_to: int  # the largest extent held (start with no holder)
     closed: bool  # the owner's later blocks duplicate a run already findable: the run grows no more
 
@@ -47,7 +55,7 @@ class CachedRun:
         a run is made per request that computes blocks, on the scheduler's path."""
         run = _new(CachedRun)
         run.owner, run.start, run.end, run.hashes, run.blocks = owner, start, end, hashes, blocks
-        run.holders, run.held_to, run.closed = {}, start, False
+        run.holders, run.held_to, run.closed = NO_HOLDERS, start, False
         return run
 
     @property

@@ -25,7 +25,10 @@ with the run's by slices and goes on at the next run's key. A request that compu
 findable run already holds keeps its copies private (freed clean); a run whose owner would go
 on computing what a newer run holds stops there. Registering, freeing and evicting are a few
 operations per run and list slices per block, so the cache costs the scheduler little when it
-saves nothing, and requests without hashes never touch a run. When clean blocks run out, a
+saves nothing, and requests without hashes never touch a run. A request that hits nothing has
+its own path through each step (registering its first chunk makes its run inline, freeing it is
+one queue entry, the first eviction branch takes it whole), and its run has no holders dict of
+its own until a hit (core/cache_run.py `NO_HOLDERS`). When clean blocks run out, a
 run's evictable tail is evicted whole if that is at most 1/512 of the pool more than needed.
 
 A block is in exactly one of three states: clean-free (in `_free`), evictable (in a run, held
@@ -39,11 +42,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
-from tidal_core.cache_run import CachedRun, Hits
+from tidal_core.cache_run import NO_HOLDERS, CachedRun, Hits
 from tidal_core.kv_blocks import NO_NEW_BLOCK, BlockManager
 from tidal_core.prefix_cache_integrity import CacheState, check_cache_state
 
 _NO_HITS = Hits()  # the empty lookup result, shared: never mutated
+_new = object.__new__
 NO_HITS = _NO_HITS
 """What `match` returns on a miss: callers that test `run_keys` themselves pass it to `allocate_with`."""
 
@@ -125,9 +129,16 @@ class PrefixCachingBlockManager(BlockManager):
             raise ValueError(f"request {request_id!r} already holds blocks")
         need = -(-num_tokens // self.block_size) - len(hits)  # >= 1: the last token is never cached
         if not hits:
-            if need + keep_free > len(self._free) + self._num_evictable:
+            free = self._free
+            if need + keep_free > len(free) + self._num_evictable:
                 return False
-            self._tables[request_id] = self._take(need)
+            if need <= len(free):  # `_take`'s clean case, inlined: a miss's allocation is one slice
+                table = free[-need:]
+                del free[-need:]
+                table.reverse()
+                self._tables[request_id] = table
+            else:
+                self._tables[request_id] = self._take(need)
             return True
         if not isinstance(hits, Hits):
             raise ValueError("allocate_with takes the hits `match` returned")
@@ -136,6 +147,8 @@ class PrefixCachingBlockManager(BlockManager):
             return False
         lru = self._lru
         for run, extent in hits.spans:
+            if run.holders is NO_HOLDERS:  # its first hit: a dict of its own
+                run.holders = {}
             run.holders[request_id] = extent
             if extent > run.held_to:
                 run.held_to = extent
@@ -155,24 +168,29 @@ class PrefixCachingBlockManager(BlockManager):
         the same prefix at once) stay private and are freed clean."""
         if not hashes:
             return
-        run = self._own.get(request_id)
         upto = num_computed_tokens // self.block_size
         if upto > len(hashes):
             upto = len(hashes)
+        run = self._own.get(request_id)
         if run is not None:  # the common case: one more chunk of its own run
             if upto > run.end and not run.closed:
                 run.end = upto
             return
+        if not upto:
+            return
         table = self._tables.get(request_id)
         if table is None:
             return
-        hashes = hashes if type(hashes) is list else list(hashes)
+        if type(hashes) is not list:
+            hashes = list(hashes)
         by_hash = self._by_hash
-        spans = self._holds.get(request_id)
-        if spans is None and hashes[0] not in by_hash:  # no hit, nothing like it cached
-            if upto:
-                self._own[request_id] = by_hash[hashes[0]] = CachedRun.new(request_id, 0, upto, hashes, table)
+        if hashes[0] not in by_hash and request_id not in self._holds:  # no hit, nothing like it cached
+            run = _new(CachedRun)  # `CachedRun.new`, inlined: this runs once per request that computes blocks
+            run.owner, run.start, run.end, run.hashes, run.blocks = request_id, 0, upto, hashes, table
+            run.holders, run.held_to, run.closed = NO_HOLDERS, 0, False
+            self._own[request_id] = by_hash[hashes[0]] = run
             return
+        spans = self._holds.get(request_id)
         start = spans[-1][1] if spans else 0  # the blocks it took from the cache
         if upto <= start:
             return
@@ -251,6 +269,14 @@ class PrefixCachingBlockManager(BlockManager):
         prompt is evicted before its head)."""
         table = self._tables.pop(request_id, None)
         run = self._own.pop(request_id, None)
+        if run is not None and not run.start:  # it hit nothing (hits end where its own run starts)
+            blocks = run.blocks  # its table
+            self._free.extend(reversed(blocks[run.end:]))
+            run.owner = None
+            if run.end > run.held_to:
+                self._num_evictable += run.end - run.held_to
+                self._lru[run] = None
+            return len(blocks)
         spans = self._holds.pop(request_id, None) if self._holds else None
         if not table:
             return 0
@@ -275,37 +301,36 @@ class PrefixCachingBlockManager(BlockManager):
         return len(table)
 
     def _take(self, n: int) -> list[int]:
-        """`n` (>= 1, at most `num_free_blocks`) blocks: clean ones first, then evicted ones from
-        the tails of the least recently freed runs (a run evicted to its start is forgotten). A
-        run's evictable tail goes whole when that is at most `_evict_batch` blocks more than
-        asked; the surplus joins the clean list, so the next takes are plain pops."""
+        """`n` (>= 1, at most `num_free_blocks`) blocks: every clean one before any eviction, then
+        blocks evicted from the tails of the least recently freed runs (a run evicted to its start
+        is forgotten), moved onto the clean list and taken from it with the clean ones. A run's
+        evictable tail goes whole when that is at most `_evict_batch` blocks more than asked; the
+        surplus stays on the clean list, so the next takes are plain pops."""
         free = self._free
         if n <= len(free):
             new = free[-n:]
             del free[-n:]
             new.reverse()
             return new
-        new = free[::-1]
-        free.clear()
-        k, lru, by_hash, batch = n - len(new), self._lru, self._by_hash, self._evict_batch
-        asked = k
-        while k > 0:
-            run = lru.popitem(last=False)[0]
+        k, lru = n - len(free), self._lru
+        evicted = 0
+        while evicted < k:  # a run's tail at a time, the least recently freed run first, into the clean list
+            run = lru.popitem(False)[0]  # positional: no keyword parsing
             end, keep = run.end, run.held_to
-            if end - keep > k + batch:  # a long tail: only what is asked, and the run stays first in line
-                keep = end - k
+            if end - keep > k - evicted + self._evict_batch:  # a long tail: only what is asked, it stays first
+                keep = end - (k - evicted)
                 lru[run] = None
                 lru.move_to_end(run, last=False)
             elif keep == run.start:  # evicted to its start: forgotten
-                del by_hash[run.hashes[keep]]
-            new.extend(reversed(run.blocks[keep:end]))  # the tail first
-            k -= end - keep
+                del self._by_hash[run.hashes[keep]]
+            free += run.blocks[keep:end]  # taken from the end below: the tail first
+            evicted += end - keep
             run.end = keep
-        if k < 0:  # the rest of a tail taken whole: clean free blocks now
-            free += new[k:]
-            del new[k:]
-        self._num_evictable -= asked - k
-        self.num_evictions += asked - k
+        self._num_evictable -= evicted
+        self.num_evictions += evicted
+        new = free[-n:]
+        del free[-n:]
+        new.reverse()
         return new
 
     # ---- integrity -----------------------------------------------------------------------

@@ -5,7 +5,8 @@ Owns: `CacheState` (a read-only view of the manager's tables, pools and runs) an
 clean-free, evictable or referenced; each run (core/cache_run.py) is keyed by its first hash,
 in range, its blocks findable in no other run, its owner's table its own, its holders' extents
 what their tables hold; the eviction queue is exactly the runs with evictable blocks; no free
-block is findable ("free and dirty": a later writer would corrupt a hit). Tests call it after
+block is findable ("free and dirty": a later writer would corrupt a hit); the holders dict that
+runs no one has hit share (`NO_HOLDERS`) is empty. Tests call it after
 every operation; the scheduler never does.
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
@@ -17,7 +18,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tidal_core.cache_run import CachedRun
+from tidal_core.cache_run import NO_HOLDERS, CachedRun
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ def check_cache_state(s: CacheState) -> None:
             raise AssertionError(f"request {rid}: cached-block count out of range")
     if not set(s.start) | set(s.own) | set(s.holds) <= set(s.tables):
         raise AssertionError("cache bookkeeping kept for requests without a table")
+    if NO_HOLDERS:
+        raise AssertionError("the shared empty holders of runs no one hit were written to")
     findable, evictable = _check_runs(s)
     _check_references(s, counts, findable)
     for b in s.free:

@@ -142,12 +142,14 @@ class SchedulerStats:
     def num_finished(self) -> int:
         return sum(self.finished.values())
 
-    def record_prefix_query(self, num_tokens: int, num_cached_tokens: int) -> None:
-        self.prefix_cache_query_requests += 1
+    def record_prefix_queries(self, num_requests: int, num_tokens: int, num_hit_requests: int,
+                              num_cached_tokens: int) -> None:
+        """Admissions that asked the prefix cache: requests and prompt tokens queried, those with
+        a hit and their cached tokens (one call per admission pass, not per request)."""
+        self.prefix_cache_query_requests += num_requests
         self.prefix_cache_query_tokens += num_tokens
-        if num_cached_tokens:
-            self.prefix_cache_hit_requests += 1
-            self.prefix_cache_hit_tokens += num_cached_tokens
+        self.prefix_cache_hit_requests += num_hit_requests
+        self.prefix_cache_hit_tokens += num_cached_tokens
 
     @property
     def prefix_cache_hit_rate(self) -> float:

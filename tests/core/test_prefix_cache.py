@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal_core.block_hash import block_hashes, hash_seed
+from tidal_core.cache_run import NO_HOLDERS
 from tidal_core.kv_blocks import NO_NEW_BLOCK
 from tidal_core.prefix_cache import PrefixCachingBlockManager
 
@@ -231,3 +232,33 @@ def test_random_operations_keep_counts_hashes_and_contents_consistent(ops: list[
         bm.free(rid)
     bm.check_integrity()
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_run_no_one_hit_shares_the_empty_holders_until_its_first_hit() -> None:
+    """A never-hit run costs no holders dict of its own; its first hit gives it one, and the
+    shared empty one stays empty whatever is hit, released and evicted."""
+    bm = PrefixCachingBlockManager(num_blocks=8, block_size=2)
+    hashes = _filled(bm, "a", [1, 2, 3, 4, 5])
+    run = bm._own["a"]
+    assert run.holders is NO_HOLDERS
+    assert bm.allocate_with("b", 5, bm.match(hashes, 5))
+    assert run.holders is not NO_HOLDERS and run.holders == {"b": 2} and not NO_HOLDERS
+    bm.check_integrity()
+    bm.free("b")
+    bm.free("a")
+    assert run.holders == {} and not NO_HOLDERS
+    assert bm.try_allocate("c", 16) is not None  # evicts everything
+    assert bm.num_cached_blocks == 0 and not NO_HOLDERS
+    bm.check_integrity()
+
+
+def test_integrity_catches_a_write_to_the_shared_empty_holders() -> None:
+    bm = PrefixCachingBlockManager(num_blocks=8, block_size=2)
+    _filled(bm, "a", [1, 2, 3, 4, 5])
+    NO_HOLDERS["b"] = 1  # as if a hit had been recorded in the dict every unhit run shares
+    try:
+        with pytest.raises(AssertionError, match="shared empty holders"):
+            bm.check_integrity()
+    finally:
+        NO_HOLDERS.clear()
+    bm.check_integrity()

@@ -67,6 +67,10 @@ def test_requests_admitted_in_the_same_step_share_nothing_not_yet_computed() -> 
     s.add_request(req("c", [*shared, 3]), now)  # after the step that computed it: a hit
     d, _ = step(s, ex, now)
     assert d.plan.prefill_context["c"] == 20
+    # Counted per request although recorded once per admission pass (a and b came in one).
+    st = s.stats
+    assert (st.prefix_cache_query_requests, st.prefix_cache_query_tokens) == (3, 3 * 21)
+    assert (st.prefix_cache_hit_requests, st.prefix_cache_hit_tokens) == (1, 20)
 
 
 def test_chunked_prefill_registers_blocks_as_each_chunk_completes() -> None:
