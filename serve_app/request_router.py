@@ -18,11 +18,20 @@ Requests on the way. A unit's report reaches the router once per `request_routin
 reports alone a burst would all go to the unit that looked best at the last one (with two units
 the choice is the minimum: herding). So each request sent is held against its unit (`_OnTheWay`:
 its estimated prefill, the prompt's tokens less those the prefix index says the unit holds, x the
-unit's published `prefill_s_per_token`) and added to that unit's reported queue delay and waiting
-count until a newer report counts it: a report whose `num_arrived` grew by k retires the k oldest
+unit's published `prefill_s_per_token`) and added to that unit's reported waiting count and, as
+what is left of it (the held prefill drains one second per second, so a prompt's quick next turn
+is not kept off the unit that just served its first), to its reported queue delay, until a
+newer report counts it: a report whose `num_arrived` grew by k retires the k oldest
 (other routers' requests count as this router's, so this errs low, towards the report), and none
 is held past `ON_THE_WAY_S`. The simulator's fleet routes on a fresh snapshot per arrival and
 needs none of this.
+
+Where a request really went. The chosen unit is only ranked first: Serve sends the request
+elsewhere when the first cannot take it in time (its queue-length probe times out on a busy
+machine, or it is full). `on_request_routed` (Serve calls it with the replica that accepted the
+request) corrects the record: the prompt's hashes leave the chosen unit's prefix index (what
+this choice added) and join the accepting unit's, and its hold moves there, so a later turn of
+the prompt follows its KV, not the first choice.
 
 Router kwargs (`request_router_kwargs`): `seed`, `prefix_routing`, `block_size` and
 `index_blocks` (the units' KV block size and pool, which bound each unit's index) and
@@ -67,24 +76,43 @@ ON_THE_WAY_S = 5.0
 
 @dataclasses.dataclass(eq=False)
 class _OnTheWay:
-    """Requests this router sent to one unit that its latest report may not count yet."""
+    """Requests this router sent to one unit that its latest report may not count yet: their
+    count, and their prefill as a queue of its own that drains one second per second (`finish_s`:
+    when the last of them would be done), so a request that has long been served stops counting
+    even before the report that shows it."""
 
     report: Mapping[str, Any] | None  # the report they are held against (by identity)
     arrived: int  # its num_arrived
     sent: collections.deque[tuple[float, float]] = dataclasses.field(default_factory=collections.deque)
+    finish_s: float = 0.0
+
+    def add(self, now: float, prefill_s: float) -> None:
+        self.sent.append((now, prefill_s))
+        self.finish_s = max(self.finish_s, now) + prefill_s
+
+    def _retire_oldest(self) -> None:
+        self.finish_s -= self.sent.popleft()[1]
+
+    def drop(self, entry: tuple[float, float]) -> None:
+        """A request held here went to another unit after all."""
+        try:
+            self.sent.remove(entry)
+        except ValueError:  # retired already
+            return
+        self.finish_s -= entry[1]
 
     def against(self, report: Mapping[str, Any] | None, load: UnitLoad, now: float) -> UnitLoad:
         """`load` (read from `report`) with the requests still on the way added."""
         if report is not self.report:  # a newer report: it counts the requests that arrived since
             for _ in range(min(len(self.sent), max(0, load.num_arrived - self.arrived))):
-                self.sent.popleft()
+                self._retire_oldest()
             self.report, self.arrived = report, load.num_arrived
         while self.sent and now - self.sent[0][0] > ON_THE_WAY_S:
-            self.sent.popleft()
+            self._retire_oldest()
         if not self.sent:
             return load
         return dataclasses.replace(load, num_waiting=load.num_waiting + len(self.sent),
-                                   queue_delay_s=load.queue_delay_s + sum(p for _, p in self.sent))
+                                   queue_delay_s=load.queue_delay_s + max(0.0, self.finish_s - now))
 
 
 class TidalRequestRouter(FIFOMixin, RequestRouter):
@@ -97,6 +125,10 @@ class TidalRequestRouter(FIFOMixin, RequestRouter):
                                              self._rng)
         self._scheme = HashScheme(block_size, prefix_cache_namespace)
         self._on_the_way: dict[str, _OnTheWay] = {}
+        # id(pending request) -> (unit chosen, its block hashes or None, the tokens of it the chosen unit's
+        # index held before, its hold entry), until Serve says
+        # which unit accepted it (`on_request_routed`)
+        self._chosen: dict[int, tuple[str, list[int] | None, int, tuple[float, float]]] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -116,11 +148,12 @@ class TidalRequestRouter(FIFOMixin, RequestRouter):
         router: PrefixAwareRouter | None = getattr(self, "_prefix", None)
         tokens = prompt_token_ids(pending_request)
         cached = 0  # prompt tokens the chosen unit likely holds (its prefill skips them)
+        hashes: list[int] | None = None
         if router is not None and tokens:
             carried = carried_hashes(pending_request)
             hashes = carried.usable_for(self._scheme, len(tokens)) if carried is not None else None
             if hashes is None:  # an older client or a direct call: hash here, as the units do
-                hashes = self._scheme.hash(tokens).hashes
+                hashes = list(self._scheme.hash(tokens).hashes)
             chosen = router.choose(loads, hashes, len(tokens))
             cached = router.last_cached_tokens
         else:  # with the prompt's size when known: sent where it will be admitted if a unit would
@@ -134,7 +167,34 @@ class TidalRequestRouter(FIFOMixin, RequestRouter):
                 report = first.routing_stats
                 held = on_the_way[chosen] = _OnTheWay(report, UnitLoad.from_stats(chosen, report).num_arrived)
             per_token = next(u.prefill_s_per_token for u in loads if u.unit_id == chosen)
-            held.sent.append((now, (len(tokens) - cached) * per_token))
+            entry = (now, (len(tokens) - cached) * per_token)
+            held.add(*entry)
             for gone in [u for u in on_the_way if u not in by_id]:  # replicas replaced or scaled away
                 del on_the_way[gone]
+            chosen_for = getattr(self, "_chosen", None)
+            if chosen_for is not None and pending_request is not None:
+                if len(chosen_for) > 4096:  # requests Serve never reported routed (rejected, cancelled)
+                    for key in [k for k, (_, _, _, e) in chosen_for.items() if now - e[0] > ON_THE_WAY_S]:
+                        del chosen_for[key]
+                chosen_for[id(pending_request)] = (chosen, list(hashes) if hashes else None, cached, entry)
         return [[first], [r for r in candidate_replicas if r is not first]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
+        """Serve's word on which unit accepted the request: when it is not the one chosen, the
+        prompt's index entry and its hold follow it there (see the module doc)."""
+        chosen_for = getattr(self, "_chosen", None)
+        record = chosen_for.pop(id(pending_request), None) if chosen_for is not None else None
+        if record is None:
+            return
+        chosen, hashes, cached, entry = record
+        actual = replica_id.unique_id
+        if actual == chosen:
+            return
+        held = self._on_the_way.get(chosen)
+        if held is not None:
+            held.drop(entry)
+        moved = self._on_the_way.get(actual)
+        if moved is not None:
+            moved.add(*entry)
+        if hashes and self._prefix is not None:
+            self._prefix.moved(chosen, actual, hashes, cached)

@@ -91,6 +91,13 @@ class PrefixIndex:
             n = j + 1
         return n
 
+    def discard(self, hashes: Sequence[int], from_block: int = 0) -> None:
+        """Forget the prompt's entries from block `from_block` on (those one `add` made new)."""
+        keys = self._keys
+        for j in range(self.stride - 1, len(hashes), self.stride):
+            if j >= from_block:
+                keys.pop(hashes[j], None)
+
     def add(self, hashes: Sequence[int]) -> None:
         """Record a prompt routed here (most recently used); the oldest entries go past capacity."""
         keys = self._keys
@@ -159,6 +166,18 @@ class PrefixAwareRouter:
             if best is None or score < best_score:
                 best, best_score = u.unit_id, score
         return best
+
+    def moved(self, chosen: str, unit_id: str, hashes: Sequence[int], cached_tokens: int) -> None:
+        """The prompt `choose` sent to `chosen` (whose index already held its first `cached_tokens`)
+        went to `unit_id` after all (the caller's transport chose another unit): `chosen` forgets
+        what that choice added, `unit_id` records the prompt."""
+        old = self.indexes.get(chosen)
+        if old is not None:
+            old.discard(hashes, cached_tokens // self.config.block_size)
+        index = self.indexes.get(unit_id)
+        if index is None:
+            index = self.indexes[unit_id] = PrefixIndex(self.config.index_blocks, self.config.stride)
+        index.add(hashes)
 
     def forget(self, unit_id: str) -> None:
         """A unit left the fleet: its index goes with it."""

@@ -43,8 +43,9 @@ def test_slow_responses_never_delay_sends(server: FakeServer, tmp_path: Path) ->
     report = _run(server, Behavior(first_token_delay_s=3.0), _trace(20, 20.0, 2), tmp_path)
     assert server.log.max_in_flight == 20
     arrivals = np.array(server.log.arrivals)
-    # The server saw the schedule's spacing (a loose bound: the responses took 3 s each).
-    assert np.all(np.abs((arrivals - arrivals[0]) - np.arange(20) / 20.0) < 0.5)
+    # The server saw the schedule's spacing, within 1.5 s: half of one response's 3 s, the least a
+    # send waiting on a response would be late by (a loaded machine has stalled the loop 0.54 s).
+    assert np.all(np.abs((arrivals - arrivals[0]) - np.arange(20) / 20.0) < 1.5)
     assert report.summary["completed"] == 20
     rows = _records(tmp_path)
     assert [r["scheduled_s"] for r in rows] == pytest.approx(list(np.arange(20) / 20.0))

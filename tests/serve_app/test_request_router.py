@@ -143,3 +143,32 @@ def test_a_prompt_the_unit_holds_is_held_against_it_for_its_uncached_tokens_only
     first = choose(r, replicas, pending([*system, 1]))  # reported: the unit now holds the prefix
     # Its repeats cost ~1 token of prefill each on the way (not 513): they keep their affinity.
     assert [choose(r, replicas, pending([*system, 10 + i]), reported=False) for i in range(6)] == [first] * 6
+
+
+def test_a_held_request_drains_so_a_quick_next_turn_keeps_its_unit(monkeypatch: Any) -> None:
+    import serve_app.request_router as rr
+
+    clock = [100.0]
+    monkeypatch.setattr(rr.time, "monotonic", lambda: clock[0])
+    r = router(prefix_routing=False)
+    a, b = replica("a"), replica("b", delay=0.5)
+    # 400 tokens at 1 ms/token: a 0.4 s against b 0.9 s, then a 0.8 s against 0.9 s.
+    assert [choose(r, [a, b], pending(list(range(400))), reported=False) for _ in range(2)] == ["a", "a"]
+    # No report yet, 0.6 s later: a's 0.8 s held has 0.2 s left (0.6 s in all against b's 0.9 s);
+    # held undrained it would be 1.2 s and the request would go to b.
+    clock[0] += 0.6
+    assert choose(r, [a, b], pending(list(range(400))), reported=False) == "a"
+
+
+def test_a_prompt_that_serve_sent_elsewhere_is_followed_there() -> None:
+    # Serve may send a request past the chosen unit (a probe timed out, the unit was full): the
+    # prompt's next turn must go where its KV is, not to the first choice.
+    r = router(block_size=16, index_blocks=4096)
+    replicas = [replica("a"), replica("b")]
+    system = list(range(4000, 4512))
+    req = pending([*system, 1])
+    first = choose(r, replicas, req)
+    other = next(x for x in replicas if x.replica_id.unique_id != first)
+    r.on_request_routed(req, other.replica_id, None)
+    assert [choose(r, replicas, pending([*system, 20 + i])) for i in range(4)] == [other.replica_id.unique_id] * 4
+    r.on_request_routed(pending([1]), other.replica_id, None)  # a request it never chose: ignored
