@@ -10,6 +10,7 @@ flattened varlen batch and HF's padded one).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -82,6 +83,15 @@ def test_chunked_prefill_logits_match(tiny_path: Path) -> None:
     assert _check_logits_every_step(tiny_path, PROMPTS, steps=3, max_num_batched_tokens=16, max_batch_size=4) > 0
 
 
+def hf_greedy(hf: Any, prompt: list[int], max_new_tokens: int, pad_token_id: int, **kw: Any) -> list[int]:
+    """transformers' own greedy `generate` of `prompt`: the reference token ids."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                          pad_token_id=pad_token_id, **kw)
+    return list(out[0, len(prompt):].tolist())
+
+
 def test_greedy_equals_transformers_generate_smollm2(smol_path: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -92,11 +102,7 @@ def test_greedy_equals_transformers_generate_smollm2(smol_path: Path) -> None:
                                                                           ignore_eos=True))
     hf = hf_model(smol_path)
     for p, got in zip(prompts, ours, strict=True):
-        ids = torch.tensor([p])
-        with torch.inference_mode():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                              pad_token_id=tok.eos_token_id)[0, len(p):].tolist()
-        assert got == ref
+        assert got == hf_greedy(hf, p, 12, tok.eos_token_id)
 
 
 def test_greedy_with_a_repetition_penalty_equals_transformers_generate_smollm2(smol_path: Path) -> None:
@@ -108,22 +114,14 @@ def test_greedy_with_a_repetition_penalty_equals_transformers_generate_smollm2(s
     ours = generate_ids(local_executor(smol_path), prompts, params)
     hf = hf_model(smol_path)
     for p, got in zip(prompts, ours, strict=True):
-        ids = torch.tensor([p])
-        with torch.inference_mode():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                              repetition_penalty=1.3, pad_token_id=tok.eos_token_id)[0, len(p):].tolist()
-        assert got == ref
+        assert got == hf_greedy(hf, p, 16, tok.eos_token_id, repetition_penalty=1.3)
 
 
 def test_greedy_equals_transformers_generate_tiny(tiny_path: Path) -> None:
     ours = generate_ids(local_executor(tiny_path), PROMPTS, GREEDY)
     hf = hf_model(tiny_path)
     for p, got in zip(PROMPTS, ours, strict=True):
-        ids = torch.tensor([p])
-        with torch.inference_mode():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
-                              do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-        assert got == ref
+        assert got == hf_greedy(hf, p, GREEDY.max_tokens, 0)
 
 
 @pytest.mark.parametrize("penalty", [1.3, 0.8])
@@ -132,11 +130,7 @@ def test_greedy_with_a_repetition_penalty_equals_transformers_generate(tiny_path
     ours = generate_ids(local_executor(tiny_path), PROMPTS, params)
     hf = hf_model(tiny_path)
     for p, got in zip(PROMPTS, ours, strict=True):
-        ids = torch.tensor([p])
-        with torch.inference_mode():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
-                              do_sample=False, pad_token_id=0, repetition_penalty=penalty)[0, len(p):].tolist()
-        assert got == ref
+        assert got == hf_greedy(hf, p, GREEDY.max_tokens, 0, repetition_penalty=penalty)
     assert ours != generate_ids(local_executor(tiny_path), PROMPTS, GREEDY)  # the penalty changed the output
 
 

@@ -6,6 +6,8 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from serve_app.request_router import TidalRequestRouter, prompt_token_ids
 from serve_app.unit_api import GenerateRequest
 from tidal_core import SamplingParams, UnitLoad
@@ -117,11 +119,19 @@ def test_requests_sent_between_reports_count_against_their_unit() -> None:
         assert sorted(sent.count(u) for u in "ab") == [5, 5], sent
 
 
-def test_a_newer_report_retires_the_requests_it_counts(monkeypatch: Any) -> None:
+@pytest.fixture
+def clock(monkeypatch: Any) -> list[float]:
+    """The router's clock, moved by hand."""
     import serve_app.request_router as rr
 
-    clock = [100.0]
-    monkeypatch.setattr(rr.time, "monotonic", lambda: clock[0])
+    now = [100.0]
+    monkeypatch.setattr(rr.time, "monotonic", lambda: now[0])
+    return now
+
+
+def test_a_newer_report_retires_the_requests_it_counts(clock: list[float]) -> None:
+    import serve_app.request_router as rr
+
     r = router(prefix_routing=False)
     a, b = replica("a"), replica("b", delay=0.2)
     # 400 tokens at 1 ms/token: 0.4 s at a against 0.6 s at b (0.2 s reported queue); once one is held
@@ -145,11 +155,7 @@ def test_a_prompt_the_unit_holds_is_held_against_it_for_its_uncached_tokens_only
     assert [choose(r, replicas, pending([*system, 10 + i]), reported=False) for i in range(6)] == [first] * 6
 
 
-def test_a_held_request_drains_so_a_quick_next_turn_keeps_its_unit(monkeypatch: Any) -> None:
-    import serve_app.request_router as rr
-
-    clock = [100.0]
-    monkeypatch.setattr(rr.time, "monotonic", lambda: clock[0])
+def test_a_held_request_drains_so_a_quick_next_turn_keeps_its_unit(clock: list[float]) -> None:
     r = router(prefix_routing=False)
     a, b = replica("a"), replica("b", delay=0.5)
     # 400 tokens at 1 ms/token: a 0.4 s against b 0.9 s, then a 0.8 s against 0.9 s.
