@@ -145,7 +145,7 @@ class ModelRunner:
             if self.keep_logits:
                 self.last_logits = dict(zip(rids, logits.cpu().clone(), strict=True))
             histories = None
-            if any(getattr(p, "has_penalties", False) for p in params):  # what the penalties count
+            if any(p.has_penalties for p in params):  # what the penalties count
                 histories = [(self.states[r].token_ids, self.states[r].num_prompt) for r in rids]
             out = self.sampler.sample(logits, params, inputs.sample_positions, histories)
             tokens.copy_(torch.tensor(out.token_ids, device=self.device))

@@ -32,9 +32,15 @@ class SamplingLike(Protocol):
     top_k: int
     seed: int | None
     logprobs: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
 
     @property
     def is_greedy(self) -> bool: ...
+
+    @property
+    def has_penalties(self) -> bool: ...
 
 
 History = tuple[list[int], int]
@@ -48,20 +54,20 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingLike], histories:
     or the output is divided by r when positive, multiplied by r when negative. Then OpenAI's
     rule over the output tokens: logit -= frequency_penalty x count + presence_penalty x (count > 0).
     """
-    rows = [i for i, p in enumerate(params) if getattr(p, "has_penalties", False)]
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
     if not rows:
         return logits
     logits = logits.clone()
     for i in rows:
         p, (ids, num_prompt) = params[i], histories[i]
         row = logits[i]
-        rep = float(getattr(p, "repetition_penalty", 1.0))
+        rep = p.repetition_penalty
         if rep != 1.0 and ids:
             seen = torch.tensor(sorted(set(ids)), device=logits.device)
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / rep, vals * rep)
         output = ids[num_prompt:] if num_prompt >= 0 else []
-        freq, presence = float(getattr(p, "frequency_penalty", 0.0)), float(getattr(p, "presence_penalty", 0.0))
+        freq, presence = p.frequency_penalty, p.presence_penalty
         if output and (freq or presence):
             counts = torch.zeros_like(row).scatter_add_(
                 0, torch.tensor(output, device=logits.device), torch.ones(len(output), device=logits.device))

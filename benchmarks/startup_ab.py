@@ -27,8 +27,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.vs_vllm_cpu import stop_server  # noqa: E402
-from tests.integration.conftest import free_port  # noqa: E402
+from benchmarks.vs_vllm_cpu import free_port, stop_server  # noqa: E402
 
 BODY = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 

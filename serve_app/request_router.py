@@ -128,7 +128,8 @@ class TidalRequestRouter(FIFOMixin, RequestRouter):
         # id(pending request) -> (unit chosen, its block hashes or None, the tokens of it the chosen unit's
         # index held before, its hold entry), until Serve says
         # which unit accepted it (`on_request_routed`)
-        self._chosen: dict[int, tuple[str, list[int] | None, int, tuple[float, float]]] = {}
+        self._chosen: collections.OrderedDict[int, tuple[str, list[int] | None, int, tuple[float, float]]] = (
+            collections.OrderedDict())
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -137,9 +138,7 @@ class TidalRequestRouter(FIFOMixin, RequestRouter):
         rng = getattr(self, "_rng", None) or random.Random()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         now = time.monotonic()
-        on_the_way: dict[str, _OnTheWay] | None = getattr(self, "_on_the_way", None)
-        if on_the_way is None:
-            on_the_way = self._on_the_way = {}
+        on_the_way = self._on_the_way
         loads = []
         for uid, r in by_id.items():
             load = UnitLoad.from_stats(uid, r.routing_stats)
@@ -153,7 +152,7 @@ class TidalRequestRouter(FIFOMixin, RequestRouter):
             carried = carried_hashes(pending_request)
             hashes = carried.usable_for(self._scheme, len(tokens)) if carried is not None else None
             if hashes is None:  # an older client or a direct call: hash here, as the units do
-                hashes = list(self._scheme.hash(tokens).hashes)
+                hashes = self._scheme.hash(tokens).hashes
             chosen = router.choose(loads, hashes, len(tokens))
             cached = router.last_cached_tokens
         else:  # with the prompt's size when known: sent where it will be admitted if a unit would
@@ -171,19 +170,19 @@ class TidalRequestRouter(FIFOMixin, RequestRouter):
             held.add(*entry)
             for gone in [u for u in on_the_way if u not in by_id]:  # replicas replaced or scaled away
                 del on_the_way[gone]
-            chosen_for = getattr(self, "_chosen", None)
-            if chosen_for is not None and pending_request is not None:
-                if len(chosen_for) > 4096:  # requests Serve never reported routed (rejected, cancelled)
-                    for key in [k for k, (_, _, _, e) in chosen_for.items() if now - e[0] > ON_THE_WAY_S]:
-                        del chosen_for[key]
-                chosen_for[id(pending_request)] = (chosen, list(hashes) if hashes else None, cached, entry)
+            if pending_request is not None:
+                chosen_for = self._chosen
+                # Oldest first: requests Serve never reported routed (rejected, cancelled) age out.
+                while chosen_for and (len(chosen_for) >= 4096
+                                      or now - next(iter(chosen_for.values()))[3][0] > ON_THE_WAY_S):
+                    chosen_for.popitem(last=False)
+                chosen_for[id(pending_request)] = (chosen, hashes or None, cached, entry)
         return [[first], [r for r in candidate_replicas if r is not first]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
         """Serve's word on which unit accepted the request: when it is not the one chosen, the
         prompt's index entry and its hold follow it there (see the module doc)."""
-        chosen_for = getattr(self, "_chosen", None)
-        record = chosen_for.pop(id(pending_request), None) if chosen_for is not None else None
+        record = self._chosen.pop(id(pending_request), None)
         if record is None:
             return
         chosen, hashes, cached, entry = record

@@ -142,13 +142,16 @@ class PrefixAwareRouter:
                 return None
         else:
             self.num_affinity += 1
-        index = self.indexes.get(chosen)
-        if index is None:
-            index = self.indexes[chosen] = PrefixIndex(self.config.index_blocks, self.config.stride)
-        else:
-            self.last_cached_tokens = min(num_prompt_tokens, index.match_blocks(hashes) * self.config.block_size)
+        index = self._index(chosen)
+        self.last_cached_tokens = min(num_prompt_tokens, index.match_blocks(hashes) * self.config.block_size)
         index.add(hashes)
         return chosen
+
+    def _index(self, unit_id: str) -> PrefixIndex:
+        index = self.indexes.get(unit_id)
+        if index is None:
+            index = self.indexes[unit_id] = PrefixIndex(self.config.index_blocks, self.config.stride)
+        return index
 
     def _by_prefix(self, units: list[UnitLoad], hashes: Sequence[int], num_prompt_tokens: int) -> str | None:
         cfg = self.config
@@ -174,10 +177,7 @@ class PrefixAwareRouter:
         old = self.indexes.get(chosen)
         if old is not None:
             old.discard(hashes, cached_tokens // self.config.block_size)
-        index = self.indexes.get(unit_id)
-        if index is None:
-            index = self.indexes[unit_id] = PrefixIndex(self.config.index_blocks, self.config.stride)
-        index.add(hashes)
+        self._index(unit_id).add(hashes)
 
     def forget(self, unit_id: str) -> None:
         """A unit left the fleet: its index goes with it."""
