@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from serve_app.unit_api import UNIT_REPLACED, EngineError, GenerateChunk, GenerateRequest
-from tidal_core import Idle, Request, Run, Scheduler, StepPlan, UnitLoad, WaitUntil
+from tidal_core import Idle, Request, Run, Scheduler, StepOutputs, StepPlan, StepResult, UnitLoad, WaitUntil
 from tidal_core.block_hash import HashScheme
 from tidal_core.front_admission import published_load
 from tidal_core.plan import AsyncExecutor
@@ -238,58 +238,99 @@ class EngineLoop:
     # ---- the step loop ---------------------------------------------------------------------
     async def _run(self) -> None:
         sched = self.sched
+        running: asyncio.Task[StepResult] | None = None  # the step in flight
         try:
+            decision = sched.schedule(self.clock())
             while True:
-                now = self.clock()
-                decision = sched.schedule(now)
                 if type(decision) is Run:
-                    await self._step(decision.plan)
-                elif type(decision) is WaitUntil:
+                    if running is None:
+                        running = self._dispatch(decision.plan)
+                    after, running = await self._step(decision.plan, running)
+                    decision = after if after is not None else sched.schedule(self.clock())
+                    continue
+                if type(decision) is WaitUntil:
                     self._wake.clear()
                     # `asyncio.timeout`, not `wait_for`: on Python 3.11 a `wait_for` whose event was
                     # just set can swallow the loop's cancellation, and `stop()` then waits forever.
                     with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(max(0.0, decision.deadline_s - now)):
+                        async with asyncio.timeout(max(0.0, decision.deadline_s - self.clock())):
                             await self._wake.wait()
                 else:
                     assert type(decision) is Idle
                     self._wake.clear()
                     await self._wake.wait()
+                decision = sched.schedule(self.clock())
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # an executor failure or a bug: fail every request loudly, never hang
             log.exception("engine loop failed")
             self._fail(exc)
+        finally:
+            if running is not None and not running.done():
+                running.cancel()
 
-    async def _step(self, plan: StepPlan) -> None:
+    def _dispatch(self, plan: StepPlan) -> asyncio.Task[StepResult]:
+        """Start a step: its task sends the plan to the workers on the loop's next turn."""
+        return asyncio.ensure_future(self.executor.execute(plan))
+
+    async def _step(self, plan: StepPlan, running: asyncio.Task[StepResult]
+                    ) -> tuple[Run | WaitUntil | Idle | None, asyncio.Task[StepResult] | None]:
+        """Finish the step in flight; return the next decision (None: schedule again) and, if it
+        is a step, its task.
+
+        The next plan depends only on the scheduler's state, which `on_step_done` has brought up
+        to date, not on the tokens reaching their clients. So the next step is scheduled and
+        dispatched first (its task is queued on the loop before any stream's consumer is woken),
+        and the fan-out, the metrics and the consumers' work (Serve's streaming of each chunk) run
+        while the workers compute it, instead of leaving them idle between two steps. When the
+        next decision is a wait, the consumers run first, and an arrival or an abort among them
+        (`_wake`) makes the loop schedule again, as it would have after the wait.
+        """
         start = self.clock()
-        result = await self.executor.execute(plan)
+        result = await running
         now = self.clock()
-        outputs = self.sched.on_step_done(plan, result, now)
+        sched = self.sched
+        outputs = sched.on_step_done(plan, result, now)
         gap = now - self._last_step_end if self._last_step_end is not None else now - start
         self._last_step_end = now
-        if self.observer:
-            self.observer.on_step(self.sched, plan, result.device_time_s, gap, now)
+        decision = sched.schedule(now)
+        if type(decision) is not Run:
+            self._wake.clear()
+            self._fan_out(plan, outputs, result.device_time_s, gap, now)
+            await asyncio.sleep(0)  # nothing in flight: the streams' consumers run before the loop waits
+            return (None if self._wake.is_set() else decision), None
+        following = self._dispatch(decision.plan)
+        try:
+            self._fan_out(plan, outputs, result.device_time_s, gap, now)
+        except BaseException:
+            following.cancel()
+            raise
+        return decision, following
+
+    def _fan_out(self, plan: StepPlan, outputs: StepOutputs, device_time_s: float, gap: float,
+                 now: float) -> None:
+        """One step's tokens to their streams, and its metrics."""
+        observer = self.observer
+        if observer:
+            observer.on_step(self.sched, plan, device_time_s, gap, now)
         streams = self.streams
         logprobs = outputs.logprobs or {}
         for rid, tok in outputs.tokens.items():
             stream = streams.get(rid)
             if stream is not None:
                 stream.queue.put_nowait((tok, logprobs.get(rid)))
-        if self.observer:
+        if observer:
             for rid in outputs.first_token_ids:
                 stream = streams.get(rid)
                 if stream is not None:
-                    self.observer.on_first_token(stream.request, now)
+                    observer.on_first_token(stream.request, now)
         for req in outputs.finished:
-            if self.observer:
-                self.observer.on_finish(req, now)
+            if observer:
+                observer.on_finish(req, now)
             stream = streams.get(req.request_id)
             if stream is not None:
                 stream.finish_reason = req.finish_reason.value if req.finish_reason else None
                 stream.end(_END)
-        # Let the streams' consumers run between steps (a step can be shorter than a loop tick).
-        await asyncio.sleep(0)
 
     def _fail(self, exc: BaseException) -> None:
         self.healthy = False

@@ -252,3 +252,26 @@ def test_the_microwait_runs_from_the_units_arrival_not_the_front_ends() -> None:
         await loop.stop()
 
     asyncio.run(main())
+
+
+def test_the_next_step_is_dispatched_before_the_last_steps_tokens_go_out() -> None:
+    # The workers should not sit idle while tokens are streamed: at each execute() after the first
+    # two, the client has the tokens of all steps but the one that just ended (not yet fanned out).
+    received: list[int] = []
+    seen_at_dispatch: list[int] = []
+
+    class Recording(AsyncFake):
+        async def execute(self, plan: StepPlan) -> StepResult:
+            seen_at_dispatch.append(len(received))
+            return await super().execute(plan)
+
+    async def main() -> None:
+        loop = EngineLoop(Scheduler(preset("continuous", CFG)), Recording(step_s=0.002))
+        async for chunk in loop.generate(gen("one", 8, 6)):
+            received.extend(chunk.token_ids)
+        assert received == [42] * 6
+        # step 1 is the prefill (its token is the first); step k+1 starts before step k's token is out
+        assert seen_at_dispatch == [0, 0, 1, 2, 3, 4]
+        await loop.stop()
+
+    asyncio.run(main())
