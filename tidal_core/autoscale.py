@@ -67,9 +67,10 @@ class AutoscaleConfig:
     downscale_delay_s: float = 300.0
     max_step_up: int = 4
     # The measured step time (None: off): a unit at `hot_tpot_fraction` x its TPOT target asks
-    # for one more unit; none is removed while a unit is at `cool_tpot_fraction` or above.
-    hot_tpot_fraction: float | None = 0.8
-    cool_tpot_fraction: float = 0.72
+    # for one more unit; none is removed while a unit is at `cool_tpot_fraction` or above. Chosen on
+    # three simulated days (docs/day-in-the-life.md §4): the cheapest pair kept >= 99% on each.
+    hot_tpot_fraction: float | None = 0.85
+    cool_tpot_fraction: float = 0.76
     down_lead_s: float = 0.0
     scale_for_batch: bool = False
     # The measured refusals (None: off): while the units refuse `hot_refused_fraction` of their
