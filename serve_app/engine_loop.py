@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from serve_app.unit_api import UNIT_REPLACED, EngineError, GenerateChunk, GenerateRequest
-from tidal_core import Idle, Request, Run, Scheduler, StepOutputs, StepPlan, StepResult, UnitLoad, WaitUntil
+from tidal_core import Idle, Request, Run, Scheduler, StepOutputs, StepPlan, UnitLoad, WaitUntil
 from tidal_core.block_hash import HashScheme
 from tidal_core.front_admission import published_load
 from tidal_core.plan import AsyncExecutor
@@ -238,14 +238,11 @@ class EngineLoop:
     # ---- the step loop ---------------------------------------------------------------------
     async def _run(self) -> None:
         sched = self.sched
-        running: asyncio.Task[StepResult] | None = None  # the step in flight
         try:
             decision = sched.schedule(self.clock())
             while True:
                 if type(decision) is Run:
-                    if running is None:
-                        running = self._dispatch(decision.plan)
-                    after, running = await self._step(decision.plan, running)
+                    after = await self._steps(decision.plan)
                     decision = after if after is not None else sched.schedule(self.clock())
                     continue
                 if type(decision) is WaitUntil:
@@ -265,47 +262,42 @@ class EngineLoop:
         except Exception as exc:  # an executor failure or a bug: fail every request loudly, never hang
             log.exception("engine loop failed")
             self._fail(exc)
-        finally:
-            if running is not None and not running.done():
-                running.cancel()
 
-    def _dispatch(self, plan: StepPlan) -> asyncio.Task[StepResult]:
-        """Start a step: its task sends the plan to the workers on the loop's next turn."""
-        return asyncio.ensure_future(self.executor.execute(plan))
-
-    async def _step(self, plan: StepPlan, running: asyncio.Task[StepResult]
-                    ) -> tuple[Run | WaitUntil | Idle | None, asyncio.Task[StepResult] | None]:
-        """Finish the step in flight; return the next decision (None: schedule again) and, if it
-        is a step, its task.
+    async def _steps(self, plan: StepPlan) -> WaitUntil | Idle | None:
+        """Run steps back to back from `plan` until the scheduler decides otherwise; return that
+        decision (None: schedule again).
 
         The next plan depends only on the scheduler's state, which `on_step_done` has brought up
-        to date, not on the tokens reaching their clients. So the next step is scheduled and
+        to date, not on the tokens reaching their clients. So each next step is scheduled and
         dispatched first (its task is queued on the loop before any stream's consumer is woken),
         and the fan-out, the metrics and the consumers' work (Serve's streaming of each chunk) run
-        while the workers compute it, instead of leaving them idle between two steps. When the
-        next decision is a wait, the consumers run first, and an arrival or an abort among them
-        (`_wake`) makes the loop schedule again, as it would have after the wait.
+        while the workers compute it, instead of leaving them idle between two steps. One step is
+        in flight at a time. When the next decision is a wait, the consumers run first, and an
+        arrival or an abort among them (`_wake`) makes the loop schedule again, as it would have
+        after the wait.
         """
-        start = self.clock()
-        result = await running
-        now = self.clock()
         sched = self.sched
-        outputs = sched.on_step_done(plan, result, now)
-        gap = now - self._last_step_end if self._last_step_end is not None else now - start
-        self._last_step_end = now
-        decision = sched.schedule(now)
-        if type(decision) is not Run:
-            self._wake.clear()
-            self._fan_out(plan, outputs, result.device_time_s, gap, now)
-            await asyncio.sleep(0)  # nothing in flight: the streams' consumers run before the loop waits
-            return (None if self._wake.is_set() else decision), None
-        following = self._dispatch(decision.plan)
+        start = self.clock()
+        running = asyncio.ensure_future(self.executor.execute(plan))
         try:
-            self._fan_out(plan, outputs, result.device_time_s, gap, now)
-        except BaseException:
-            following.cancel()
-            raise
-        return decision, following
+            while True:
+                result = await running
+                now = self.clock()
+                outputs = sched.on_step_done(plan, result, now)
+                gap = now - (self._last_step_end if self._last_step_end is not None else start)
+                self._last_step_end = now
+                decision = sched.schedule(now)
+                if type(decision) is not Run:
+                    self._wake.clear()
+                    self._fan_out(plan, outputs, result.device_time_s, gap, now)
+                    await asyncio.sleep(0)  # nothing in flight: the consumers run before the loop waits
+                    return None if self._wake.is_set() else decision
+                running = asyncio.ensure_future(self.executor.execute(decision.plan))
+                self._fan_out(plan, outputs, result.device_time_s, gap, now)
+                plan = decision.plan
+        finally:
+            if not running.done():  # cancelled, or a bug in the fan-out: no step left running
+                running.cancel()
 
     def _fan_out(self, plan: StepPlan, outputs: StepOutputs, device_time_s: float, gap: float,
                  now: float) -> None:
