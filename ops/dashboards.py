@@ -68,7 +68,8 @@ def _latency(t: Targets) -> list[Panel]:
         ts("Queue time and predicted delay", "p50/p99 of arrival-to-admission, and the largest predicted "
            "queueing delay of a new arrival (what admission control compares with the TTFT target).",
            [*_quantiles(M.QUEUE_TIME, "queue"),
-            Target(Q.gauge(M.QUEUE_DELAY, group=()), "predicted delay (max unit)")], "s",
+            Target(Q.gauge(M.QUEUE_DELAY, group=()), "predicted delay (max unit)"),
+            Target(Q.quantile(M.FRONT_DELAY, 0.99, match=""), "proxy to ingress p99")], "s",
            lines=(t.ttft_s,), width=8),
         stat_panel("Requests within the TTFT target", f"Fraction of requests whose first token came within "
                    f"{t.ttft_s:g} s over the dashboard's time range; the SLO is {t.ttft_objective:.0%}.",

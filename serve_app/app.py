@@ -14,6 +14,7 @@ from ray.serve import Application
 
 from serve_app.config_loader import load_app_args
 from serve_app.ingress import Ingress
+from serve_app.openai.arrival_stamp import ArrivalKey
 from serve_app.unit import ServingUnit
 
 UNIT_DEFAULTS: dict[str, Any] = {
@@ -33,4 +34,5 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     app_args = load_app_args(args)
     plain = app_args.model_dump(mode="json")
     unit = ServingUnit.options(**UNIT_DEFAULTS).bind(plain)
-    return Ingress.options(**INGRESS_DEFAULTS).bind(unit, plain)
+    # One arrival-stamp key per build, shared by every Ingress replica (serve_app/openai/arrival_stamp.py).
+    return Ingress.options(**INGRESS_DEFAULTS).bind(unit, plain, arrival_key=ArrivalKey().hex)

@@ -44,6 +44,7 @@ from typing import Any
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from serve_app.openai.arrival_stamp import mark_arrival
 from serve_app.openai.errors import OpenAIError
 from serve_app.openai.http_limits import JSON_ENDPOINTS, error_response
 from tidal_core import AdmissionConfig, UnitLoad
@@ -228,6 +229,18 @@ def refusal_counter(where: str) -> Callable[[str], None]:
     return count
 
 
+def front_delay_histogram() -> Callable[[float], None]:
+    """Observes `tidal_front_delay_seconds`: a stamped request's time from the proxy to this Ingress
+    replica (serve_app/openai/arrival_stamp.py). Call inside a Ray worker."""
+    from ray.util import metrics as ray_metrics
+
+    from serve_app.metric_defs import FRONT_DELAY as D
+
+    histogram = ray_metrics.Histogram(D.name, description=D.description, boundaries=list(D.boundaries),
+                                      tag_keys=D.tag_keys)
+    return histogram.observe
+
+
 def _rate_limited(verdict: FrontRefusal) -> OpenAIError:
     return OpenAIError(429, verdict.message, "rate_limit_error", None, verdict.reason, verdict.retry_after_s)
 
@@ -253,14 +266,18 @@ class FrontGateMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        gate: Any = getattr(getattr(scope.get("app"), "state", None), "front_gate", None)
+        state = getattr(scope.get("app"), "state", None)
+        gate: Any = getattr(state, "front_gate", None)
         if scope["type"] != "http" or not isinstance(gate, FrontGate):
             await self.app(scope, receive, send)
             return
         gate.start()
         if scope["method"] == "POST" and _route_path(scope) in JSON_ENDPOINTS:
             length = Headers(scope=scope).get("content-length", "")
-            err = gate.refusal(int(length) if length.isdigit() else 0)
+            # The time it already spent in front of this replica (the proxy's signed stamp) counts.
+            waited = time.time() - mark_arrival(scope, getattr(state, "arrival_key", None),
+                                                on_stamped=getattr(state, "on_front_delay", None))
+            err = gate.refusal(int(length) if length.isdigit() else 0, max(0.0, waited))
             if err is not None:
                 response = error_response(err)
                 response.headers.update(gate_headers(gate, err, "ingress"))

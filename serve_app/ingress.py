@@ -40,9 +40,16 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from serve_app.auth import ApiKeyGate, ApiKeyMiddleware, gate_from_args
-from serve_app.front_gate import FrontGate, FrontGateMiddleware, gate_headers, refusal_counter
+from serve_app.front_gate import (
+    FrontGate,
+    FrontGateMiddleware,
+    front_delay_histogram,
+    gate_headers,
+    refusal_counter,
+)
 from serve_app.key_usage import MeteredEngine
 from serve_app.memory_trim import start_trimming
+from serve_app.openai.arrival_stamp import ArrivalKey
 from serve_app.openai.errors import OpenAIError, from_engine_error, server_error, unavailable
 from serve_app.openai.http_limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, error_response
 from serve_app.openai.requests import ChatCompletionRequest, CompletionRequest
@@ -193,6 +200,8 @@ def build_app(server: OpenAIServer | None = None, max_body_bytes: int = DEFAULT_
     app.state.openai_server = server
     app.state.max_body_bytes = max_body_bytes
     app.state.front_gate = None
+    app.state.arrival_key = None  # no proxy stamp is trusted until an Ingress sets its key
+    app.state.on_front_delay = None
     app.include_router(api)
     app.add_middleware(BodyLimitMiddleware)
     app.add_middleware(FrontGateMiddleware)  # before any body is read
@@ -341,7 +350,7 @@ class Ingress:
     async def __init__(  # type: ignore[misc]  # an async constructor: Serve awaits it
         self, router: DeploymentHandle[Any], model: str | Mapping[str, Any] = DEFAULT_MODEL, *,
         served_model_name: str | None = None, max_body_bytes: int | None = None,
-        request_timeout_s: float | None = None,
+        request_timeout_s: float | None = None, arrival_key: str | None = None,
     ) -> None:
         from actors import model_loader  # imports torch: only in the replica, not for the schema
 
@@ -365,6 +374,10 @@ class Ingress:
             engine = MeteredEngine(engine, self.auth_gate.usage)
         self.server = OpenAIServer(engine, tokenizer, model_aliases=aliases, request_timeout_s=timeout,
                                    sampling_defaults=sampling)
+        # The proxy's arrival stamps are signed with this (serve_app/openai/arrival_stamp.py): one
+        # key per application build, the same in every replica (serve_app/app.py); one of its own
+        # when built alone.
+        self.arrival_key = ArrivalKey(arrival_key)
         self._trim_task = start_trimming()  # freed heap back to the OS (serve_app/memory_trim.py)
         logger.info("ingress ready: model %r (aliases %s), max_model_len %d, sampling defaults %s", info.model_id,
                     aliases, info.max_model_len, sampling.describe())
@@ -373,11 +386,18 @@ class Ingress:
         """The accepted keys as digests and ids (never a key), for the proxy's gate; None: no keys."""
         return None if self.auth_gate is None else self.auth_gate.store.current(self.auth_gate.usage.clock())
 
+    async def arrival_key_hex(self) -> str:
+        """The key the proxy's gate signs arrival stamps with (a cluster-internal call; never
+        sent to a client)."""
+        return self.arrival_key.hex
+
     def __serve_build_asgi_app__(self) -> Any:
         # Serve calls this after __init__ with the frozen copy of `app` already attached.
         asgi = self.app  # type: ignore[attr-defined]
         asgi.state.openai_server = self.server
         asgi.state.max_body_bytes = self.max_body_bytes
         asgi.state.front_gate = self.gate
+        asgi.state.arrival_key = self.arrival_key
+        asgi.state.on_front_delay = front_delay_histogram()
         asgi.state.auth_gate = self.auth_gate  # API keys (serve_app/auth.py)
         return asgi

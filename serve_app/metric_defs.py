@@ -48,12 +48,14 @@ def _h(name: str, description: str, boundaries: tuple[float, ...], tags: tuple[s
     return MetricDef(name, "histogram", description, tags, boundaries)
 
 
-TTFT = _h("tidal_ttft_seconds", "Time to first token: arrival at the ingress to the first token out of the unit",
+TTFT = _h("tidal_ttft_seconds",
+          "Time to first token: arrival at the front end (the proxy's stamp, else the ingress) to the first "
+          "token out of the unit",
           LATENCY_BUCKETS_S)
 ITL = _h("tidal_inter_token_latency_seconds", "Time between consecutive output tokens of a request", ITL_BUCKETS_S)
-E2E = _h("tidal_e2e_latency_seconds", "Arrival at the ingress to the last token, for requests that completed",
+E2E = _h("tidal_e2e_latency_seconds", "Arrival at the front end to the last token, for requests that completed",
          LATENCY_BUCKETS_S)
-QUEUE_TIME = _h("tidal_queue_time_seconds", "Arrival at the ingress to admission into a running batch",
+QUEUE_TIME = _h("tidal_queue_time_seconds", "Arrival at the front end to admission into a running batch",
                 LATENCY_BUCKETS_S)
 MICROWAIT = _h("tidal_microwait_seconds", "Wait chosen by the batching policy before a step (0 = none)",
                WAIT_BUCKETS_S)
@@ -61,6 +63,9 @@ BATCH_SIZE = _h("tidal_batch_size", "Sequences in an engine step", BATCH_BUCKETS
 TTFT_PREDICTION = _h("tidal_ttft_prediction_ratio",
                      "Predicted over measured time to first token of admitted requests (1 = exact; below 1 the "
                      "predictor was optimistic)", RATIO_BUCKETS)
+FRONT_DELAY = _h("tidal_front_delay_seconds",
+                 "Time from the proxy's arrival stamp to an Ingress replica receiving the request (stamped "
+                 "requests only): queueing in the proxy and on the way to the replica", LATENCY_BUCKETS_S, ())
 STEP_TIME = _h("tidal_step_device_seconds", "Device time of one engine step", ITL_BUCKETS_S)
 
 RUNNING = MetricDef("tidal_num_running", "gauge", "Requests in the running batch (prefilling or decoding)")
@@ -132,7 +137,7 @@ AUTH_FAILURES = MetricDef("tidal_auth_failures", "counter",
                           "Requests refused with 401 at the ingress: no API key or an unknown one", ())
 
 ALL_METRICS: tuple[MetricDef, ...] = (
-    TTFT, ITL, E2E, QUEUE_TIME, MICROWAIT, BATCH_SIZE, STEP_TIME, TTFT_PREDICTION,
+    TTFT, ITL, E2E, QUEUE_TIME, FRONT_DELAY, MICROWAIT, BATCH_SIZE, STEP_TIME, TTFT_PREDICTION,
     RUNNING, WAITING, KV_USAGE, REGIME, LOAD, CAPACITY, QUEUE_DELAY, MEASURED_TPOT, PADDING_WASTE, UNITS_DESIRED,
     UNITS_DEMAND, BATCH_WAITING, BATCH_BACKLOG_TOKENS, BATCH_RUNNING,
     DISPATCHES, REJECTIONS, FRONT_REFUSALS, PREEMPTIONS, FINISHED, PROMPT_TOKENS, GENERATION_TOKENS, ARRIVALS,

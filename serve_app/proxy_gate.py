@@ -26,6 +26,11 @@ first saw each unit, less those answered without reaching one (refused by the in
 path from here to the unit, they count until they arrive (a time horizon would open the gate
 exactly when the path is slowest), and none counts past its end.
 
+Arrival stamps: a request the gate lets through carries the proxy's signed arrival time
+(serve_app/openai/arrival_stamp.py; the key read from an Ingress with the key digests), so the
+Ingress's gate and the unit's admission judge the client's TTFT from here, the time it then spends
+queued in this process and on the way to a replica included.
+
 Must not import: torch, transformers.
 """
 
@@ -34,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +50,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serve_app.api_keys import KeySet
 from serve_app.auth import INVALID_KEY, UNAUTHORIZED_HEADERS, presented_key
 from serve_app.front_gate import REFUSED_BY, FrontGate, gate_headers, refusal_counter
+from serve_app.openai.arrival_stamp import ArrivalKey, restamp
 from serve_app.openai.http_limits import JSON_ENDPOINTS, error_response
 
 logger = logging.getLogger("ray.serve")  # the proxy's own log (logs/serve/proxy_*.log)
@@ -62,6 +69,7 @@ class ProxyGateMiddleware:
         self.app = app
         self.gates: dict[str, tuple[str, FrontGate]] = {}  # route prefix -> (application, its gate)
         self.keys: dict[str, KeySet] = {}  # application -> its Ingress's accepted keys (digests)
+        self.arrival_keys: dict[str, ArrivalKey] = {}  # application -> its arrival-stamp key
         self._auth_failures: Any = None
         self._refusals: Callable[[str], None] | None = None  # tidal_front_refusals{where="proxy"}, made on first use
         self._task: asyncio.Task[None] | None = None
@@ -76,6 +84,7 @@ class ProxyGateMiddleware:
         if found is None:
             await self.app(scope, receive, send)
             return
+        arrived = time.time()
         name, gate = found
         keys = self.keys.get(name)  # with keys: the same work and answer as the Ingress's check
         if keys is not None and presented_key(scope.get("headers") or (), keys.lookup) is None:
@@ -89,6 +98,10 @@ class ProxyGateMiddleware:
             response.headers.update(gate_headers(gate, err, "proxy"))
             await response(scope, receive, send)
             return
+
+        stamp_key = self.arrival_keys.get(name)
+        if stamp_key is not None:  # the Ingress and the unit count the time spent from here on
+            restamp(scope, stamp_key, arrived)
 
         async def send_and_release(message: Message) -> None:
             if message["type"] == "http.response.start":  # the unit's verdict, or none came
@@ -128,11 +141,16 @@ class ProxyGateMiddleware:
         from ray import serve
 
         for name, _ in list(self.gates.values()):
-            keys = await serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=name).key_digests.remote()
+            ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=name)
+            keys = await ingress.key_digests.remote()
             if keys is None:
                 self.keys.pop(name, None)
             else:
                 self.keys[name] = keys
+            key_hex = await ingress.arrival_key_hex.remote()
+            known = self.arrival_keys.get(name)
+            if known is None or known.hex != key_hex:
+                self.arrival_keys[name] = ArrivalKey(key_hex)
 
     async def _refresh_apps(self) -> None:
         while True:
@@ -151,6 +169,7 @@ class ProxyGateMiddleware:
         for prefix in [p for p, (name, _) in self.gates.items() if apps.get(name) != p]:
             gone_name, gone = self.gates.pop(prefix)
             self.keys.pop(gone_name, None)
+            self.arrival_keys.pop(gone_name, None)
             await gone.stop()
         for name, prefix in apps.items():
             if prefix in self.gates:

@@ -3,7 +3,8 @@
 Owns: `BodyLimitMiddleware` (a pure ASGI middleware: 415 for a non-JSON Content-Type on the JSON
 endpoints; 413 for a body over `app.state.max_body_bytes`, decided from Content-Length without
 reading anything, or while reading a chunked body, never buffering more than the limit; it stamps
-`request.state.arrival_s` for TTFT accounting) and `error_response` (an `OpenAIError` as a JSON
+`request.state.arrival_s` for TTFT accounting: the proxy's signed stamp when `app.state.arrival_key`
+verifies it, else now, serve_app/openai/arrival_stamp.py) and `error_response` (an `OpenAIError` as a JSON
 response with its headers).
 
 Must not import: ray, torch, transformers.
@@ -11,13 +12,13 @@ Must not import: ray, torch, transformers.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serve_app.openai.arrival_stamp import mark_arrival
 from serve_app.openai.errors import OpenAIError
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -48,12 +49,12 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        # A fresh dict: servers may hand every request the same lifespan-state mapping.
-        scope["state"] = {**scope.get("state", {}), "arrival_s": time.time()}
+        app_state = getattr(scope.get("app"), "state", None)
+        mark_arrival(scope, getattr(app_state, "arrival_key", None),
+                     on_stamped=getattr(app_state, "on_front_delay", None))
         if scope["method"] not in _BODY_METHODS:
             await self.app(scope, receive, send)
             return
-        app_state = getattr(scope.get("app"), "state", None)
         limit = int(getattr(app_state, "max_body_bytes", DEFAULT_MAX_BODY_BYTES))
         headers = Headers(scope=scope)
         if _route_path(scope) in JSON_ENDPOINTS:
