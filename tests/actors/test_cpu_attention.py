@@ -144,6 +144,15 @@ def test_build_is_cached_and_named_by_source_and_flags(tmp_path: Path, monkeypat
     assert [p.name for p in (tmp_path / "kernels").iterdir() if p.suffix == ".tmp"] == []
 
 
+def test_portable_build_matches_the_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library a CPU without AVX2 / FMA gets (no -m flags: the plain loops) computes the same."""
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_attention, "_lib", cpu_attention._bind(cpu_attention.build(flags=())))
+    for heads, kv_heads, head_dim, block_size in [(9, 3, 64, 16), (8, 2, 12, 4)]:
+        case = make_case(LENS, [1] * len(LENS), heads, kv_heads, head_dim, block_size, seed=head_dim)
+        assert (_kernel(case) - reference(case)).abs().max().item() < 2e-6
+
+
 def test_no_compiler_falls_back_with_one_log_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))

@@ -154,6 +154,15 @@ ALWAYS_INLINE void block_values(const float *restrict p, const float *restrict v
     for (int n = 0; n < nv; n++) store8(o + 8 * n, acc[n]);
 }
 
+/* Ask for part `part` of `parts` of the first `rows` token rows of a block (`row` floats each,
+   contiguous) ahead of use: the hardware prefetcher follows a block but cannot guess the next
+   one in the table. Spread over the current block's work, the requests do not queue up at once. */
+ALWAYS_INLINE void prefetch_part(const float *base, int64_t rows, int64_t row, int64_t part, int64_t parts) {
+    const int64_t lines = (rows * row + 15) / 16, per = (lines + parts - 1) / parts;
+    const int64_t end = (part + 1) * per < lines ? (part + 1) * per : lines;
+    for (int64_t i = part * per; i < end; i++) __builtin_prefetch(base + 16 * i, 0, 3);
+}
+
 /* One decode: scores[H, len] -> softmax rows -> oi[H, hd]. nv = head_dim / 8, or 0: any head dim. */
 ALWAYS_INLINE void attend(const float *restrict qi, const float *restrict k_cache, const float *restrict v_cache,
                           const int64_t *restrict table, int64_t len, float *restrict oi, float *restrict scores,
@@ -162,12 +171,17 @@ ALWAYS_INLINE void attend(const float *restrict qi, const float *restrict k_cach
     const int64_t group = heads / kv_heads;
     const int64_t row = kv_heads * head_dim;      /* floats per token in a cache block */
     const int64_t block = block_size * row;       /* floats per block */
+#define PF_ROWS(left) ((left) < block_size ? (left) : block_size)
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const float *kb = k_cache + table[t0 / block_size] * block;
         const int64_t rows = len - t0 < block_size ? len - t0 : block_size;
+        const int64_t next = t0 + block_size;  /* the next K block, or the first V block after the last */
+        const float *ahead = next < len ? k_cache + table[next / block_size] * block : v_cache + table[0] * block;
+        const int64_t ahead_rows = next < len ? PF_ROWS(len - next) : PF_ROWS(len);
         for (int64_t h = 0; h < kv_heads; h++)
             for (int64_t g = 0; g < group; g++) {
                 const int64_t qh = h * group + g;
+                prefetch_part(ahead, ahead_rows, row, qh, heads);
                 if (nv) {
                     block_scores(qi + qh * head_dim, kb + h * head_dim, row, rows, scale, scores + qh * len + t0, nv);
                 } else {
@@ -181,9 +195,12 @@ ALWAYS_INLINE void attend(const float *restrict qi, const float *restrict k_cach
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const float *vb = v_cache + table[t0 / block_size] * block;
         const int64_t rows = len - t0 < block_size ? len - t0 : block_size;
+        const int64_t next = t0 + block_size;  /* the next V block */
         for (int64_t h = 0; h < kv_heads; h++)
             for (int64_t g = 0; g < group; g++) {
                 const int64_t qh = h * group + g;
+                if (next < len)
+                    prefetch_part(v_cache + table[next / block_size] * block, PF_ROWS(len - next), row, qh, heads);
                 if (nv) {
                     block_values(scores + qh * len + t0, vb + h * head_dim, row, rows, oi + qh * head_dim, t0 == 0, nv);
                 } else {
