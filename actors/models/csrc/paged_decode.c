@@ -1,18 +1,24 @@
 /* Decode attention over a paged KV cache, read in place (no gather), float32, one thread.
 
-   Built by actors/models/cpu_attention.py (gcc -O3, plus -mavx2 -mfma where the CPU has them)
-   and called through ctypes, once per layer for the whole decode batch. Plain C: no torch headers.
+   Built by actors/models/cpu_attention.py (gcc -O3 -ffp-contract=fast, plus -mavx2 -mfma where
+   the CPU has them) and called through ctypes, once per layer for the whole decode batch. Plain
+   C: no torch headers.
 
    Layout: q and out [D, H, hd]; each cache [num_blocks, bs, kvh, hd]; block_tables [D, W] (int64,
-   padded with any in-range block: entries past a decode's length are never read); context_lens [D]
-   (int64, the KV length including this step's token). Query head h*G + g (G = H / kvh) attends
-   with KV head h, as in a GQA model. Per decode: all scores (one pass over its K rows, block by
-   block, every head of a row while it is in cache), a two-pass softmax per query head (max, then
-   exp and sum), then one pass over its V rows; out = sum_t p_t v_t / sum_t p_t.
+   padded with anything: entries past a decode's length are never read); context_lens [D] (int64,
+   the KV length including this step's token). Query head h*G + g (G = H / kvh) attends with KV
+   head h, as in a GQA model. Per decode: all scores (one pass over its K rows, block by block,
+   each query head of a group against its KV head's rows while the block is in cache), a two-pass
+   softmax per query head (max, then exp and sum), then one pass over its V rows; out = sum_t p_t
+   v_t with p normalised first. While a block is worked on, the next one in the table is
+   requested (__builtin_prefetch), spread over the block's query heads.
 
-   Loops are written so that gcc vectorizes them without -ffast-math: fixed 8-lane partial sums
-   for the dot products and the softmax sum, and an exp without a libm call (range reduction by
-   ln 2 and a degree-5 polynomial, Cephes' expf: about 1 ulp on the range used here, x <= 0). */
+   Two forms of the loops. With AVX and a head dim of 32, 64, 96 or 128: GCC vector extensions
+   with the head dim a compile-time constant, so q and the output row stay in registers across
+   a block, and 8 rows' dot products are reduced together. Otherwise plain loops that gcc
+   vectorizes for the target without -ffast-math: fixed 8-lane partial sums. Either way the exp
+   needs no libm call (range reduction by ln 2 and a degree-5 polynomial, Cephes' expf: about
+   1 ulp for x <= 0), so the softmax loop vectorizes too. */
 
 #include <stdint.h>
 #include <stdlib.h>
