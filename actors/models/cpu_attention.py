@@ -16,7 +16,9 @@ missing builds it on first use (about 0.5 s). Written to a temporary file and re
 workers starting together never load a half-written library. No gcc, or a failed build: `load()`
 returns None after one log line, and the caller keeps the gather + SDPA path.
 
-    python -m actors.models.cpu_attention   # build (or find) the library, print its path
+    # build (or find) the library, print its path and the seconds it took (what `make setup` runs;
+    # not `-m`: the package imports this module first)
+    python -c 'import actors.models.cpu_attention as k; raise SystemExit(k.main())'
 
 Must not import: ray, serve_app.
 """
@@ -183,5 +185,3 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
