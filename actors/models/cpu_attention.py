@@ -8,13 +8,14 @@ Why: the portable decode path gathers every decode's blocks with `index_select` 
 tensor and runs SDPA with a length mask; on one core the copy and SDPA's passes over it cost
 more than the one pass over K and one over V that reading the blocks in place needs.
 
-Build: gcc `-O3` (with `-mavx2 -mfma` when /proc/cpuinfo lists both, a portable build otherwise),
+Build: gcc `-O3 -ffp-contract=fast` (with `-mavx2 -mfma` when /proc/cpuinfo lists both, a portable build otherwise),
 no torch headers, into `$TIDAL_CACHE_DIR/kernels/` (default `~/.cache/tidalserve/kernels/`) under
 a name that hashes the source and the flags, so an edited source or another CPU's flags build
 anew and an existing library is just loaded. `make setup` builds it; a process that finds it
-missing builds it on first use (about 0.5 s). Written to a temporary file and renamed, so
-workers starting together never load a half-written library. No gcc, or a failed build: `load()`
-returns None after one log line, and the caller keeps the gather + SDPA path.
+missing builds it on first use (about 1 s here; one already built loads in 0.5 ms). Written to
+a temporary file and renamed, so workers starting together never load a half-written library.
+No gcc, or a failed build: `load()` returns None after one log line, and the caller keeps the
+gather + SDPA path.
 
     # build (or find) the library, print its path and the seconds it took (what `make setup` runs;
     # not `-m`: the package imports this module first)
