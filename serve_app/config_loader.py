@@ -39,6 +39,8 @@ class EngineArgs(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     enforce_eager: bool = Field(False, description="GPU: do not capture CUDA graphs")
     cpu_gemm: bool = Field(True, description="CPU float32: linears through pre-arranged weight layouts")
+    cpu_attention: bool = Field(True, description="CPU float32: decode attention reads the KV blocks in place "
+                                "(a C kernel); false: gather + SDPA")
     compiled_graph: bool = Field(False, description="drive TP workers through a Ray Compiled Graph")
     step_timeout_s: float = Field(60.0, gt=0, description="a step slower than this means a dead worker")
     cost_model: str | None = Field(None, description="sim backend: calibration/costmodels name or YAML path")

@@ -9,11 +9,16 @@ Token `t` of a request lives in block `block_table[t // block_size]`, slot `t % 
 so its flat slot is `block * block_size + t % block_size` (`slot_mapping`).
 
 Paths:
-- portable (CPU, and GPU without a kernel package): decodes are attended in batched SDPA calls
-  over their gathered blocks with a length mask, one per run of similar lengths (decodes come
-  sorted by length, so a short one never gathers a long one's padding); the G query heads of a
-  GQA group act as G queries against one KV head, so no K/V repeat; prefill chunks one SDPA call each, causal
-  with the chunk's offset. A chunk starting at position 0 attends over its own fresh K/V.
+- portable (CPU, and GPU without a kernel package): prefill chunks one SDPA call each, causal
+  with the chunk's offset (a chunk starting at position 0 attends over its own fresh K/V). Decodes:
+  - on CPU in float32 (`meta.cpu_decode`, the default there): actors/models/cpu_attention.py's C
+    kernel, one call per layer for the whole decode batch, reads each decode's K/V rows in place
+    through its block table (no gather, no mask; a table's padding is never read), the G query
+    heads of a GQA group against their one KV head, a two-pass softmax in float32;
+  - otherwise (GPU without Triton; `EngineSpec.cpu_attention=False`; no C compiler): batched SDPA
+    calls over their gathered blocks with a length mask, one per run of similar lengths (decodes
+    come sorted by length, so a short one never gathers a long one's padding); the G query heads
+    of a GQA group act as G queries against one KV head, so no K/V repeat.
 - triton (CUDA with Triton, the default there): actors/paged_attention.py's kernel reads the
   blocks in place for decodes and for prefill chunks with context (nothing gathered, no mask
   tensor); compiled on CUDA, checked on CPU under Triton's interpreter against a dense reference.
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from actors.models.cpu_attention import paged_decode
 from actors.paged_attention import TritonPrefill, triton_decode, triton_prefill
 
 BACKENDS = ("portable", "triton")
@@ -54,6 +60,7 @@ class AttentionMetadata:
     decode_groups: list[tuple[int, int, int]] | None = None
     backend: str = "portable"  # one of BACKENDS
     triton_prefill: TritonPrefill | None = None  # the triton backend's description of the chunks
+    cpu_decode: bool = False  # portable backend: decodes through the in-place CPU kernel (cpu_attention.py)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -121,8 +128,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if d:
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         assert tables is not None and lens is not None
-        for s, e, w in meta.decode_groups or [(0, d, tables.shape[1])]:
-            out[s:e] = decode_attention(q[s:e], k_cache, v_cache, tables[s:e, :w], lens[s:e], scale)
+        if meta.cpu_decode:
+            paged_decode(q[:d], k_cache, v_cache, tables, lens, scale, out[:d])
+        else:
+            for s, e, w in meta.decode_groups or [(0, d, tables.shape[1])]:
+                out[s:e] = decode_attention(q[s:e], k_cache, v_cache, tables[s:e, :w], lens[s:e], scale)
     for span in meta.prefills:
         s, e = span.start, span.start + span.length
         out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, span, scale)

@@ -1,0 +1,254 @@
+/* Decode attention over a paged KV cache, read in place (no gather), float32, one thread.
+
+   Built by actors/models/cpu_attention.py (gcc -O3 -ffp-contract=fast, plus -mavx2 -mfma where
+   the CPU has them) and called through ctypes, once per layer for the whole decode batch. Plain
+   C: no torch headers.
+
+   Layout: q and out [D, H, hd]; each cache [num_blocks, bs, kvh, hd]; block_tables [D, W] (int64,
+   padded with anything: entries past a decode's length are never read); context_lens [D] (int64,
+   the KV length including this step's token). Query head h*G + g (G = H / kvh) attends with KV
+   head h, as in a GQA model. Per decode: all scores (one pass over its K rows, block by block,
+   each query head of a group against its KV head's rows while the block is in cache), a two-pass
+   softmax per query head (max, then exp and sum), then one pass over its V rows; out = sum_t p_t
+   v_t with p normalised first. While a block is worked on, the next one in the table is
+   requested (__builtin_prefetch), spread over the block's query heads.
+
+   Two forms of the loops. With AVX and a head dim of 32, 64, 96 or 128: GCC vector extensions
+   with the head dim a compile-time constant, so q and the output row stay in registers across
+   a block, and 8 rows' dot products are reduced together. Otherwise plain loops that gcc
+   vectorizes for the target without -ffast-math: fixed 8-lane partial sums. Either way the exp
+   needs no libm call (range reduction by ln 2 and a degree-5 polynomial, Cephes' expf: about
+   1 ulp for x <= 0), so the softmax loop vectorizes too. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 8
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t d = 0;
+    for (; d + LANES <= n; d += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += a[d + j] * b[d + j];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+static inline void axpy(float *restrict y, float a, const float *restrict x, int64_t n) {
+    for (int64_t d = 0; d < n; d++) y[d] += a * x[d];
+}
+
+static inline float exp_nonpositive(float v) {  /* exp(v) for v <= 0 (v < -87 gives exp(-87)) */
+    /* max(v, -87) on the bits, which gcc vectorizes (a float compare here it does not, without
+       -ffinite-math-only): as unsigned ints, +0 and positive floats lie below every negative
+       one, and a negative float's bits grow with its magnitude. */
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    const uint32_t floor_bits = 0xC2AE0000u;  /* -87.0f */
+    bits = bits < floor_bits ? bits : floor_bits;
+    memcpy(&v, &bits, sizeof v);
+    int32_t k = (int32_t)(v * 1.44269504088896341f - 0.5f); /* round(v / ln 2): truncation of v <= 0 */
+    float fk = (float)k;
+    float r = v - fk * 0.693359375f;
+    r = r - fk * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t exponent = (k + 127) << 23;  /* 2^k, k >= -126 */
+    float two;
+    memcpy(&two, &exponent, sizeof two);
+    return p * two;
+}
+
+static inline float row_max(const float *restrict x, int64_t n) {
+    float acc[LANES];
+    for (int j = 0; j < LANES; j++) acc[j] = x[0];
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] = x[i + j] > acc[j] ? x[i + j] : acc[j];
+    float m = acc[0];
+    for (int j = 1; j < LANES; j++) m = acc[j] > m ? acc[j] : m;
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+static inline float row_sum(const float *restrict x, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += x[i + j];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; i++) s += x[i];
+    return s;
+}
+
+/* In place: x = softmax(x). */
+static void softmax(float *restrict x, int64_t n) {
+    const float m = row_max(x, n);
+    for (int64_t i = 0; i < n; i++) x[i] = exp_nonpositive(x[i] - m);
+    const float inv = 1.0f / row_sum(x, n);
+    for (int64_t i = 0; i < n; i++) x[i] *= inv;
+}
+
+/* Head dims that are a multiple of 8, up to 128: GCC vector extensions (one AVX register, or
+   two SSE / NEON ones) with the head dim a compile-time constant, so a query head's q and
+   output row stay in registers across a block's rows. */
+typedef float v8 __attribute__((vector_size(32)));
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+ALWAYS_INLINE void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+ALWAYS_INLINE float hsum8(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+
+#ifdef __clang__
+#define SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t v8i __attribute__((vector_size(32)));
+#define SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
+/* Pairwise sums within 128-bit halves, as x86's vhaddps: [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, ...]. */
+ALWAYS_INLINE v8 hadd(v8 a, v8 b) {
+    return SHUFFLE2(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + SHUFFLE2(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+/* The 8 horizontal sums of a[0..7], as one vector: a transpose-and-add instead of 8 reductions. */
+ALWAYS_INLINE v8 hsum8x8(const v8 *a) {
+    const v8 s0 = hadd(hadd(a[0], a[1]), hadd(a[2], a[3]));  /* [a0..a3 of the low halves, a0..a3 high] */
+    const v8 s1 = hadd(hadd(a[4], a[5]), hadd(a[6], a[7]));
+    return SHUFFLE2(s0, s1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE2(s0, s1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* q . k for one row, q pre-loaded (nv vectors). */
+ALWAYS_INLINE v8 row_dot(const v8 *qv, const float *restrict k, const int nv) {
+    v8 a = qv[0] * load8(k);
+    for (int n = 1; n < nv; n++) a += qv[n] * load8(k + 8 * n);
+    return a;
+}
+
+/* sc[s] = scale * q . k_s for the block's first `rows` rows (k_s at kb + s * row), 8 rows at a
+   time (8 independent accumulators, reduced together). */
+ALWAYS_INLINE void block_scores(const float *restrict q, const float *restrict kb, int64_t row, int64_t rows,
+                                float scale, float *restrict sc, const int nv) {
+    v8 qv[16];
+    for (int n = 0; n < nv; n++) qv[n] = load8(q + 8 * n) * scale;
+    int64_t s = 0;
+    for (; s + 8 <= rows; s += 8) {
+        v8 a[8];
+        for (int u = 0; u < 8; u++) a[u] = row_dot(qv, kb + (s + u) * row, nv);
+        store8(sc + s, hsum8x8(a));
+    }
+    for (; s < rows; s++) sc[s] = hsum8(row_dot(qv, kb + s * row, nv));
+}
+
+/* o (+)= sum_s p[s] v_s over the block's first `rows` rows; o is overwritten when `first`. */
+ALWAYS_INLINE void block_values(const float *restrict p, const float *restrict vb, int64_t row, int64_t rows,
+                                float *restrict o, int first, const int nv) {
+    v8 acc[16];
+    for (int n = 0; n < nv; n++) acc[n] = first ? (v8){0} : load8(o + 8 * n);
+    for (int64_t s = 0; s < rows; s++) {
+        const float *v = vb + s * row;
+        const v8 ps = (v8){0} + p[s];
+        for (int n = 0; n < nv; n++) acc[n] += ps * load8(v + 8 * n);
+    }
+    for (int n = 0; n < nv; n++) store8(o + 8 * n, acc[n]);
+}
+
+/* Ask for part `part` of `parts` of the first `rows` token rows of a block (`row` floats each,
+   contiguous) ahead of use: the hardware prefetcher follows a block but cannot guess the next
+   one in the table. Spread over the current block's work, the requests do not queue up at once. */
+ALWAYS_INLINE void prefetch_part(const float *base, int64_t rows, int64_t row, int64_t part, int64_t parts) {
+    const int64_t lines = (rows * row + 15) / 16, per = (lines + parts - 1) / parts;
+    const int64_t end = (part + 1) * per < lines ? (part + 1) * per : lines;
+    for (int64_t i = part * per; i < end; i++) __builtin_prefetch(base + 16 * i, 0, 3);
+}
+
+/* One decode: scores[H, len] -> softmax rows -> oi[H, hd]. nv = head_dim / 8, or 0: any head dim. */
+ALWAYS_INLINE void attend(const float *restrict qi, const float *restrict k_cache, const float *restrict v_cache,
+                          const int64_t *restrict table, int64_t len, float *restrict oi, float *restrict scores,
+                          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                          const int nv) {
+    const int64_t group = heads / kv_heads;
+    const int64_t row = kv_heads * head_dim;      /* floats per token in a cache block */
+    const int64_t block = block_size * row;       /* floats per block */
+#define PF_ROWS(left) ((left) < block_size ? (left) : block_size)
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const float *kb = k_cache + table[t0 / block_size] * block;
+        const int64_t rows = len - t0 < block_size ? len - t0 : block_size;
+        const int64_t next = t0 + block_size;  /* the next K block, or the first V block after the last */
+        const float *ahead = next < len ? k_cache + table[next / block_size] * block : v_cache + table[0] * block;
+        const int64_t ahead_rows = next < len ? PF_ROWS(len - next) : PF_ROWS(len);
+        for (int64_t h = 0; h < kv_heads; h++)
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t qh = h * group + g;
+                prefetch_part(ahead, ahead_rows, row, qh, heads);
+                if (nv) {
+                    block_scores(qi + qh * head_dim, kb + h * head_dim, row, rows, scale, scores + qh * len + t0, nv);
+                } else {
+                    for (int64_t s = 0; s < rows; s++)
+                        scores[qh * len + t0 + s] = dot(qi + qh * head_dim, kb + s * row + h * head_dim, head_dim) * scale;
+                }
+            }
+    }
+    for (int64_t qh = 0; qh < heads; qh++) softmax(scores + qh * len, len);
+    if (!nv) memset(oi, 0, sizeof(float) * (size_t)(heads * head_dim));
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const float *vb = v_cache + table[t0 / block_size] * block;
+        const int64_t rows = len - t0 < block_size ? len - t0 : block_size;
+        const int64_t next = t0 + block_size;  /* the next V block */
+        for (int64_t h = 0; h < kv_heads; h++)
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t qh = h * group + g;
+                if (next < len)
+                    prefetch_part(v_cache + table[next / block_size] * block, PF_ROWS(len - next), row, qh, heads);
+                if (nv) {
+                    block_values(scores + qh * len + t0, vb + h * head_dim, row, rows, oi + qh * head_dim, t0 == 0, nv);
+                } else {
+                    for (int64_t s = 0; s < rows; s++)
+                        axpy(oi + qh * head_dim, scores[qh * len + t0 + s], vb + s * row + h * head_dim, head_dim);
+                }
+            }
+    }
+}
+
+#define ATTEND(NV) attend(q + i * heads * head_dim, k_cache, v_cache, block_tables + i * width, context_lens[i], \
+                          out + i * heads * head_dim, scores, heads, kv_heads, head_dim, block_size, scale, NV)
+
+/* Returns 0, or: 1 a length outside [1, W * bs], 2 a block id outside [0, num_blocks), 3 out of memory. */
+int tidal_paged_decode(const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
+                       const int64_t *restrict block_tables, const int64_t *restrict context_lens,
+                       float *restrict out, int64_t num_decodes, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                       int64_t block_size, int64_t width, int64_t num_blocks, float scale) {
+    int64_t max_len = 0;
+    for (int64_t i = 0; i < num_decodes; i++) {
+        const int64_t len = context_lens[i];
+        if (len < 1 || len > width * block_size) return 1;
+        const int64_t *table = block_tables + i * width;
+        for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++)
+            if (table[b] < 0 || table[b] >= num_blocks) return 2;
+        if (len > max_len) max_len = len;
+    }
+    float *scores = malloc(sizeof(float) * (size_t)(heads * max_len));  /* [H, len] of one decode */
+    if (!scores) return 3;
+    for (int64_t i = 0; i < num_decodes; i++) {
+#if defined(__AVX__)
+        switch (head_dim) {  /* 8-wide vectors are one or two registers: the register-blocked loops */
+            case 64: ATTEND(8); break;
+            case 128: ATTEND(16); break;
+            case 32: ATTEND(4); break;
+            case 96: ATTEND(12); break;
+            default: ATTEND(0); break;
+        }
+#else
+        ATTEND(0);  /* no AVX: the plain loops, which gcc vectorizes for the target (8-wide shuffles lower poorly to SSE2) */
+#endif
+    }
+    free(scores);
+    return 0;
+}

@@ -1,0 +1,191 @@
+"""The in-place CPU decode attention (actors/models/cpu_attention.py, csrc/paged_decode.c) against
+the gather + SDPA path and a dense float64 reference (tests/paged_reference.py): uneven lengths
+around block edges and past 300 tokens, GQA groups of 1-8, the head dims with register-blocked
+loops (32, 64, 96, 128) and without (8, 12, 40), tables padded with the scratch block, inputs
+it must copy or refuse, tables it must refuse; building, caching and the fallback without a
+compiler; and an engine that generates the same greedy tokens with the kernel and without.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.models import cpu_attention
+from actors.models.attention import AttentionMetadata, PrefillSpan, decode_attention, paged_attention
+from tests.model_helpers import GREEDY, generate_ids, local_executor, save_tiny_checkpoint, smollm2_path
+from tests.paged_reference import Case, make_case, reference
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler: the kernel cannot be built")
+
+LENS = [1, 15, 16, 17, 300, 333]
+# (heads, kv_heads, head_dim, block_size)
+SHAPES = [(9, 3, 64, 16),  # SmolLM2-135M
+          (8, 8, 64, 16), (8, 1, 128, 16), (12, 4, 32, 16), (8, 2, 96, 8), (32, 8, 128, 16),
+          (8, 2, 8, 4), (6, 2, 12, 16), (4, 4, 40, 16)]
+
+
+def _tables(case: Case, width: int | None = None) -> torch.Tensor:
+    scratch = case.k_cache.shape[0] - 1
+    w = width or max(map(len, case.tables))
+    return torch.tensor([t + [scratch] * (w - len(t)) for t in case.tables])
+
+
+def _kernel(case: Case, tables: torch.Tensor | None = None) -> torch.Tensor:
+    out = torch.empty_like(case.q)
+    tables = _tables(case) if tables is None else tables
+    cpu_attention.paged_decode(case.q, case.k_cache, case.v_cache, tables, torch.tensor(case.seq_lens), case.scale,
+                               out)
+    return out
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
+def test_kernel_matches_gather_sdpa_and_the_dense_reference(shape: tuple[int, int, int, int]) -> None:
+    heads, kv_heads, head_dim, block_size = shape
+    case = make_case(LENS, [1] * len(LENS), heads, kv_heads, head_dim, block_size, seed=sum(shape))
+    got = _kernel(case)
+    ref = reference(case)
+    sdpa = decode_attention(case.q, case.k_cache, case.v_cache, _tables(case), torch.tensor(case.seq_lens),
+                            case.scale)
+    assert (got - ref).abs().max().item() < 2e-6, shape
+    assert torch.allclose(got, sdpa, atol=2e-6), shape
+    assert (got[0] - case.v_cache[case.tables[0][0], 0].repeat_interleave(heads // kv_heads, 0)).abs().max() < 1e-6
+
+
+def test_scores_far_apart_and_long_contexts() -> None:
+    """Logits spread over hundreds (the exp's clamp at -87 is reached) and 2,000-token contexts."""
+    case = make_case([2000, 1200, 5], [1, 1, 1], 9, 3, 64, 16, seed=4)
+    case.q.mul_(40.0)
+    got = _kernel(case)
+    assert (got - reference(case)).abs().max().item() < 1e-4  # float32 logits of +-150: 1e-5 apart
+    k = case.k_cache.view(-1, 3, 64)[[case.tables[0][p // 16] * 16 + p % 16 for p in range(2000)], 0]
+    scores = torch.einsum("hd,ld->hl", case.q[0, :3], k) * case.scale
+    assert (scores.max(-1).values - scores.min(-1).values).min().item() > 87  # the clamp is reached
+
+
+def test_table_padding_and_the_scratch_block_are_never_read() -> None:
+    case = make_case([5, 21, 64], [1, 1, 1], 9, 3, 64, 16, seed=3)
+    ref = _kernel(case)
+    case.k_cache[-1].fill_(float("nan"))  # the scratch block every padded entry points at
+    case.v_cache[-1].fill_(float("nan"))
+    assert torch.equal(_kernel(case, _tables(case, width=40)), ref)
+
+
+def test_inputs_copied_or_refused() -> None:
+    case = make_case([7, 40], [1, 1], 8, 2, 64, 16, seed=5)
+    ref = _kernel(case)
+    lens = torch.tensor(case.seq_lens)
+    # a non-contiguous q and int32 tables / lengths are copied
+    q_t = case.q.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not q_t.is_contiguous()
+    out = torch.empty_like(case.q)
+    cpu_attention.paged_decode(q_t, case.k_cache, case.v_cache, _tables(case).int(), lens.int(), case.scale, out)
+    assert torch.equal(out, ref)
+    wide = torch.stack([_tables(case), _tables(case)], dim=-1)[..., 0]  # the same table, strided
+    assert not wide.is_contiguous()
+    cpu_attention.paged_decode(case.q, case.k_cache, case.v_cache, wide, lens, case.scale, out)
+    assert torch.equal(out, ref)
+    # non-contiguous caches or output, other dtypes, mismatched shapes are refused
+    bad_cache = case.k_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_attention.paged_decode(case.q, bad_cache, case.v_cache, _tables(case), lens, case.scale, out)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_attention.paged_decode(case.q, case.k_cache, case.v_cache, _tables(case), lens, case.scale,
+                                   torch.empty(8, 2, 64).transpose(0, 1))
+    with pytest.raises(ValueError, match="float32"):
+        cpu_attention.paged_decode(case.q.double(), case.k_cache, case.v_cache, _tables(case), lens, case.scale, out)
+    with pytest.raises(ValueError, match="shapes"):
+        cpu_attention.paged_decode(case.q[:, :7], case.k_cache, case.v_cache, _tables(case), lens, case.scale,
+                                   out[:, :7].contiguous())  # 7 query heads over 2 KV heads
+    with pytest.raises(ValueError, match="shapes"):
+        cpu_attention.paged_decode(case.q, case.k_cache, case.v_cache, _tables(case), lens[:1], case.scale, out)
+
+
+@pytest.mark.parametrize(("lens", "table", "message"), [
+    ([40], [[0, 1]], "context length"),  # 40 tokens, a table of 2 blocks of 16
+    ([0], [[0, 1]], "context length"),
+    ([20], [[0, 99]], "block id"),  # past the cache's last block
+    ([20], [[-1, 0]], "block id"),
+])
+def test_bad_tables_are_refused_not_read(lens: list[int], table: list[list[int]], message: str) -> None:
+    case = make_case([20], [1], 8, 2, 64, 16, seed=6)
+    with pytest.raises(ValueError, match=message):
+        cpu_attention.paged_decode(case.q, case.k_cache, case.v_cache, torch.tensor(table), torch.tensor(lens),
+                                   case.scale, torch.empty_like(case.q))
+
+
+def test_paged_attention_step_with_the_kernel_matches_the_reference() -> None:
+    """A mixed step (decodes then prefill chunks) with `meta.cpu_decode`: decodes through the kernel."""
+    case = make_case([9, 48, 333, 40, 23], [1, 1, 1, 40, 5], 9, 3, 64, 16, seed=21)
+    bs, decodes = 16, 3
+    slots = [t[p // bs] * bs + p % bs for t, length, n in zip(case.tables, case.seq_lens, case.q_lens, strict=True)
+             for p in range(length - n, length)]
+    spans = [PrefillSpan(3, 40, 0, torch.tensor(case.tables[3])), PrefillSpan(43, 5, 18, torch.tensor(case.tables[4]))]
+    lens = torch.tensor(case.seq_lens[:decodes])
+    tables = torch.tensor([t + [case.k_cache.shape[0] - 1] * (21 - len(t)) for t in case.tables[:decodes]])
+    meta = AttentionMetadata(torch.tensor(slots), decodes, tables, lens, spans, cpu_decode=True)
+    k = case.k_cache.view(-1, 3, 64)[meta.slot_mapping].clone()
+    v = case.v_cache.view(-1, 3, 64)[meta.slot_mapping].clone()
+    got = paged_attention(case.q, k, v, case.k_cache, case.v_cache, meta, case.scale)
+    assert torch.allclose(got, reference(case), atol=2e-5)
+
+
+def test_build_is_cached_and_named_by_source_and_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    path = cpu_attention.build()
+    assert path.parent == tmp_path / "kernels" and path.exists()
+    mtime = path.stat().st_mtime_ns
+    assert cpu_attention.build() == path and path.stat().st_mtime_ns == mtime  # found, not rebuilt
+    portable = cpu_attention.build(flags=())
+    assert portable != path or cpu_attention.cpu_flags() == ()
+    assert [p.name for p in (tmp_path / "kernels").iterdir() if p.suffix == ".tmp"] == []
+
+
+def test_portable_build_matches_the_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library a CPU without AVX2 / FMA gets (no -m flags: the plain loops) computes the same."""
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_attention, "_lib", cpu_attention._bind(cpu_attention.build(flags=())))
+    for heads, kv_heads, head_dim, block_size in [(9, 3, 64, 16), (8, 2, 12, 4)]:
+        case = make_case(LENS, [1] * len(LENS), heads, kv_heads, head_dim, block_size, seed=head_dim)
+        assert (_kernel(case) - reference(case)).abs().max().item() < 2e-6
+
+
+def test_no_compiler_falls_back_with_one_log_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    monkeypatch.setattr(cpu_attention, "_lib", None)
+    monkeypatch.setattr(cpu_attention, "_tried", False)
+    with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
+        assert cpu_attention.load() is None
+        assert cpu_attention.load() is None  # tried once per process
+    lines = [r.getMessage() for r in caplog.records if r.name == cpu_attention.__name__]
+    assert len(lines) == 1 and "no-such-compiler-here" in lines[0] and "gather + SDPA" in lines[0]
+    tiny = save_tiny_checkpoint(tmp_path / "tiny", seed=2)
+    ex = local_executor(tiny, block_size=4)
+    assert ex.runner.cpu_decode is False  # the runner keeps gather + SDPA
+    assert len(generate_ids(ex, [[1, 5, 9]])[0]) == GREEDY.max_tokens
+
+
+def test_tiny_model_generates_the_same_tokens_with_and_without_the_kernel(tmp_path: Path) -> None:
+    path = save_tiny_checkpoint(tmp_path / "tiny", seed=5)
+    prompts = [[1, 17, 33, 5, 9], list(range(3, 80)), [1, 200, 7], list(range(20, 37))]
+    on, off = local_executor(path, block_size=4), local_executor(path, block_size=4, cpu_attention=False)
+    assert on.runner.cpu_decode is True and off.runner.cpu_decode is False
+    sched = dict(max_num_batched_tokens=16, max_batch_size=8)  # chunked prefills beside decodes
+    assert generate_ids(on, prompts, **sched) == generate_ids(off, prompts, **sched)
+
+
+def test_smollm2_greedy_tokens_identical_with_and_without_the_kernel() -> None:
+    from tidal_core import SamplingParams
+
+    path = smollm2_path()
+    prompts = [[1, *range(200, 530)], list(range(1000, 1017)), [1, 504, 3458, 314, 4649, 253],
+               list(range(3000, 3128))]
+    sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    on = generate_ids(local_executor(path), prompts, sampling)
+    off = generate_ids(local_executor(path, cpu_attention=False), prompts, sampling)
+    assert on == off
