@@ -18,44 +18,22 @@ import argparse
 import json
 import os
 import statistics
-import time
+import sys
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cpu_gemm import offline_engine, run_steps  # the same offline harness
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _engine(kernel: bool) -> Any:
-    from actors.executor import LocalExecutor
-    from actors.llm_engine import LLMEngine, scheduler_config
-    from actors.worker_setup import EngineSpec
-    from tidal_core import SamplingParams
-
-    ex = LocalExecutor(EngineSpec(max_model_len=1024, kv_cache_gb=0.6, torch_threads=1, cpu_attention=kernel))
+    ex, cfg = offline_engine(kv_cache_gb=0.6, cpu_attention=kernel)
     if ex.runner.cpu_decode != kernel:
         raise SystemExit(f"cpu_attention={kernel}: the runner's decode path is not the one asked for")
-    cfg = scheduler_config(ex.info, "continuous", max_batch_size=64, max_num_batched_tokens=4096)
-    LLMEngine(ex, ex.info, None, cfg).generate([[1] * 16], SamplingParams(max_tokens=4))  # warm-up
     return ex, cfg
-
-
-def _run(ex: Any, cfg: Any, batch: int, prompt: int, steps: int, seed: int) -> dict[str, Any]:
-    from actors.llm_engine import LLMEngine
-    from tidal_core import SamplingParams
-
-    engine = LLMEngine(ex, ex.info, None, cfg)
-    ids = [engine.add_request([100 + (seed * 31 + i * 7 + j) % 4000 for j in range(prompt)],
-                              SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
-           for i in range(batch)]
-    while engine.scheduler.num_waiting or engine.scheduler.prefilling:
-        engine.step()
-    c1 = time.thread_time()
-    n = 0
-    while engine.has_unfinished:
-        engine.step()
-        n += 1
-    c2 = time.thread_time()
-    return {"decode_ms_per_step": (c2 - c1) * 1e3 / max(1, n),
-            "outputs": [engine.completions.pop(i).token_ids for i in ids]}
 
 
 def main() -> int:
@@ -73,7 +51,7 @@ def main() -> int:
             runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
             for r in range(args.rounds):
                 for on in ((True, False) if r % 2 == 0 else (False, True)):
-                    runs[on].append(_run(*engines[on], batch, prompt, args.steps, seed=r))
+                    runs[on].append(run_steps(*engines[on], batch, prompt, args.steps, seed=r))
             med = {on: statistics.median(x["decode_ms_per_step"] for x in runs[on]) for on in runs}
             same = all(a["outputs"] == b["outputs"] for a, b in zip(runs[True], runs[False], strict=True))
             row = {"prompt": prompt, "batch": batch, "on_ms": med[True], "off_ms": med[False],

@@ -23,19 +23,22 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def _engine(cpu_gemm: bool) -> Any:
+def offline_engine(kv_cache_gb: float = 1.0, **spec: Any) -> Any:
+    """An offline SmolLM2 engine (one torch thread, `continuous`), warmed up; `spec`: EngineSpec fields.
+    Also the harness of benchmarks/cpu_attention.py."""
     from actors.executor import LocalExecutor
     from actors.llm_engine import LLMEngine, scheduler_config
     from actors.worker_setup import EngineSpec
     from tidal_core import SamplingParams
 
-    ex = LocalExecutor(EngineSpec(max_model_len=1024, kv_cache_gb=1.0, torch_threads=1, cpu_gemm=cpu_gemm))
+    ex = LocalExecutor(EngineSpec(max_model_len=1024, kv_cache_gb=kv_cache_gb, torch_threads=1, **spec))
     cfg = scheduler_config(ex.info, "continuous", max_batch_size=64, max_num_batched_tokens=4096)
     LLMEngine(ex, ex.info, None, cfg).generate([[1] * 16], SamplingParams(max_tokens=4))  # warm-up
     return ex, cfg
 
 
-def _run(ex: Any, cfg: Any, batch: int, prompt: int, steps: int, seed: int) -> dict[str, Any]:
+def run_steps(ex: Any, cfg: Any, batch: int, prompt: int, steps: int, seed: int) -> dict[str, Any]:
+    """`batch` greedy requests of `prompt` tokens: this thread's CPU per prefill token and per decode step."""
     from actors.llm_engine import LLMEngine
     from tidal_core import SamplingParams
 
@@ -65,13 +68,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    engines = {True: _engine(True), False: _engine(False)}
+    engines = {True: offline_engine(cpu_gemm=True), False: offline_engine(cpu_gemm=False)}
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
         for r in range(args.rounds):
             for on in ((True, False) if r % 2 == 0 else (False, True)):
-                runs[on].append(_run(*engines[on], batch, args.prompt, args.steps, seed=r))
+                runs[on].append(run_steps(*engines[on], batch, args.prompt, args.steps, seed=r))
         keys = ("prefill_ms_per_token", "decode_ms_per_step")
         med = {on: {k: statistics.median(x[k] for x in runs[on]) for k in keys} for on in runs}
         same = all(a["outputs"] == b["outputs"] for a, b in zip(runs[True], runs[False], strict=True))
