@@ -40,13 +40,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from serve_app.auth import ApiKeyGate, ApiKeyMiddleware, gate_from_args
-from serve_app.front_gate import (
-    FrontGate,
-    FrontGateMiddleware,
-    front_delay_histogram,
-    gate_headers,
-    refusal_counter,
-)
+from serve_app.front_gate import FrontGate, FrontGateMiddleware, front_delay_histogram, gate_headers, refusal_counter
 from serve_app.key_usage import MeteredEngine
 from serve_app.memory_trim import start_trimming
 from serve_app.openai.arrival_stamp import ArrivalKey
