@@ -128,11 +128,6 @@ def load() -> ctypes.CDLL | None:
     return _lib
 
 
-def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Tensors the kernel takes: float32 on CPU (the caches must also be contiguous)."""
-    return q.is_cpu and k_cache.is_cpu and q.dtype is _F32 and k_cache.dtype is _F32
-
-
 def available() -> bool:
     return load() is not None
 
