@@ -95,11 +95,12 @@ class FakeServer:
     async def _handle(self, request: Request, endpoint: str) -> Response:
         log, behavior = self.log, self.behavior
         log.arrivals.append(time.perf_counter())
+        n = len(log.arrivals)  # this request's arrival number, taken before any await lets another in
         body = await request.json()
         log.bodies.append(body)
         log.paths.append(request.url.path)
         log.client_ports.append(request.client.port if request.client else -1)
-        fate = behavior.fate(len(log.arrivals))
+        fate = behavior.fate(n)
         if fate == "reject":
             return JSONResponse({"error": {"message": "overloaded", "type": "rate_limit"}}, status_code=429,
                                 headers={"Retry-After": behavior.retry_after})

@@ -146,7 +146,9 @@ def test_connections_are_kept_alive_and_reused(server: FakeServer, tmp_path: Pat
     # 20 quick requests, one every 50 ms, one pool: each finds the previous one's connection idle.
     report = _run(server, Behavior(), _trace(20, 20.0, 3), tmp_path, pool_shards=1)
     assert report.summary["completed"] == 20
-    assert len(set(server.log.client_ports)) <= 3  # not one connection per request
+    # Not one connection per request (that would be 20). A few more than one: a response a busy
+    # box stalls past the next send's 50 ms makes that send open a second connection.
+    assert len(set(server.log.client_ports)) <= 6
 
 
 def test_a_server_nobody_runs_fails_fast(tmp_path: Path) -> None:
