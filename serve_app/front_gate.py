@@ -18,6 +18,15 @@ knows each unit's state as of the last verdict, milliseconds old; (2) a backgrou
 unit drain and opens again. A snapshot older than `max_age_s` (5 s) is not believed: with no fresh
 snapshot the request goes to the unit, whose own admission is the final authority.
 
+The poll is paced by the requests it serves, since each one costs CPU in the gate, the unit and
+Ray (on `make serve` at rest the two gates' polls were about half of the 27% of a core the
+server burned, and on a 2-core box that CPU comes out of the model's steps). While requests come
+through this gate (or wait for their verdicts) it polls every `period_s`; when none came since its
+last poll it dozes for `idle_period_s` (1 s, well inside `max_age_s`), and the next request wakes
+it at once: that request is judged on a snapshot at most a doze old, aged by the drain as any
+snapshot is, and the ones after it on a fresh one. It also skips a poll while verdicts keep every
+snapshot younger than `period_s`.
+
 The request's prompt is estimated from the body's size (`Content-Length` / `BYTES_PER_TOKEN`, a
 deliberately low estimate: English text averages about 4-5 characters per token, and the JSON
 around it adds bytes), so the gate does not refuse a request its unit would have admitted for its
@@ -54,6 +63,7 @@ from tidal_core.retry_spread import RetrySpread
 logger = logging.getLogger(__name__)
 BYTES_PER_TOKEN = 6
 POLL_PERIOD_S = 0.1
+IDLE_POLL_PERIOD_S = 1.0  # between polls while no request comes through the gate
 POLL_TIMEOUT_S = 1.0
 _FORGET_AFTER_S = 60.0  # a unit not heard from for this long (a replaced replica) is dropped
 PENDING_FOR_S = 5.0  # a request let through counts as pending at most this long
@@ -72,7 +82,8 @@ _TICKET: contextvars.ContextVar[_Ticket | None] = contextvars.ContextVar("tidal_
 
 class FrontGate:
     def __init__(self, admission: AdmissionConfig, poll: Callable[[], Awaitable[UnitLoad]] | None = None, *,
-                 period_s: float = POLL_PERIOD_S, closed: Callable[[], OpenAIError | None] | None = None,
+                 period_s: float = POLL_PERIOD_S, idle_period_s: float = IDLE_POLL_PERIOD_S,
+                 closed: Callable[[], OpenAIError | None] | None = None,
                  pending_for_s: float = PENDING_FOR_S, count_arrivals: bool = False,
                  on_refusal: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
@@ -83,7 +94,15 @@ class FrontGate:
         self._on_refusal = on_refusal  # each 429's reason, e.g. to a counter (`refusal_counter`)
         self._poll = poll
         self._closed = closed  # e.g. a failed unit being rebuilt: 503 at the door
-        self.period_s = period_s
+        if not 0.0 < period_s <= idle_period_s < self.admission.max_age_s:
+            raise ValueError(f"front gate: need 0 < period_s ({period_s}) <= idle_period_s ({idle_period_s}) < "
+                             f"the snapshots' max age ({self.admission.max_age_s} s)")
+        self.period_s, self.idle_period_s = period_s, idle_period_s
+        self._wake: asyncio.Event | None = None  # set by a request while the poll sleeps its idle period
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dozing = False
+        self._requests_since_poll = 0
+        self.num_polls = 0
         self.clock = clock
         self._rng = rng or random.Random()
         self._task: asyncio.Task[None] | None = None
@@ -115,6 +134,7 @@ class FrontGate:
     def start(self) -> None:
         """Start the poll (idempotent); called from inside the replica's event loop."""
         if self._poll is not None and self._task is None:
+            self._wake, self._loop = asyncio.Event(), asyncio.get_running_loop()
             # A fresh context: the poll must not be a child of the request that started it.
             self._task = asyncio.get_running_loop().create_task(self._run_poll(), context=contextvars.Context())
 
@@ -127,25 +147,55 @@ class FrontGate:
             self._task, self._stopping = None, False
 
     async def _run_poll(self) -> None:
-        assert self._poll is not None
+        assert self._poll is not None and self._wake is not None
         while not self._stopping:
+            if not self._all_fresh(self.clock()):
+                self._requests_since_poll = 0
+                self.num_polls += 1
+                try:
+                    # `asyncio.timeout`, not `wait_for`: on Python 3.11 a `wait_for` whose inner call has
+                    # just finished can swallow the task's cancellation, and `stop()` then waits forever.
+                    async with asyncio.timeout(POLL_TIMEOUT_S):
+                        load = await self._poll()
+                    self.observe(load)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # no unit yet, a unit being rebuilt, a timeout: keep the last view
+                    logger.debug("front gate: polling a unit's load failed", exc_info=True)
+            if not self._quiet():
+                await asyncio.sleep(self.period_s)
+                continue
+            self._wake.clear()
+            self._dozing = True
             try:
-                # `asyncio.timeout`, not `wait_for`: on Python 3.11 a `wait_for` whose inner call has
-                # just finished can swallow the task's cancellation, and `stop()` then waits forever.
-                async with asyncio.timeout(POLL_TIMEOUT_S):
-                    load = await self._poll()
-                self.observe(load)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # no unit yet, a unit being rebuilt, a timeout: keep the last view
-                logger.debug("front gate: polling a unit's load failed", exc_info=True)
-            await asyncio.sleep(self.period_s)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.idle_period_s):
+                        await self._wake.wait()
+            finally:
+                self._dozing = False
+
+    def _all_fresh(self, now: float) -> bool:
+        """Every unit's snapshot is younger than `period_s` (verdicts keep it so): a poll would add nothing."""
+        return bool(self.sightings) and all(now - s.seen_s < self.period_s for s in self.sightings.values())
+
+    def _quiet(self) -> bool:
+        """No request came through since the last poll and none waits for its verdict, and the poll has
+        answered at least once (a gate still looking for its unit keeps polling at `period_s`)."""
+        if self._requests_since_poll or not self.sightings:
+            return False
+        now = self.clock()  # a ticket whose verdict was lost stops counting after `pending_for_s`, as in `_pending_s`
+        return not any(now - t.sent_s <= self.pending_for_s for t in self._pending)
 
     # ---- verdicts -------------------------------------------------------------------------
     def refusal(self, body_bytes: int, waited_s: float = 0.0) -> OpenAIError | None:
         """The error to answer a new request of `body_bytes` with, or None to let it through.
         A request let through is *pending* (its prefill counted on top of the snapshots) until
         its unit's verdict arrives in its context (`observe`) or the request ends (`release`)."""
+        self._requests_since_poll += 1
+        if self._dozing:  # traffic after a quiet spell: fresh snapshots now, not in a second
+            self._dozing = False
+            assert self._wake is not None and self._loop is not None
+            self._loop.call_soon_threadsafe(self._wake.set)
         if self._closed is not None and (closed := self._closed()) is not None:
             return closed
         now = self.clock()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import random
 import time
@@ -140,7 +141,7 @@ async def test_the_poll_keeps_the_view_fresh_and_a_failing_poll_keeps_the_last()
             raise answer
         return answer
 
-    gate = FrontGate(AdmissionConfig(), poll, period_s=0.001)
+    gate = FrontGate(AdmissionConfig(), poll, period_s=0.001, idle_period_s=0.001)  # no dozing here
     gate.start()
     gate.start()  # idempotent
     for _ in range(500):
@@ -322,3 +323,81 @@ async def test_stop_ends_the_poll_even_when_a_cancellation_is_lost() -> None:
     await entered.wait()
     await asyncio.wait_for(gate.stop(), 2.0)  # the old loop polled on forever: TimeoutError here
     assert gate.sightings["u1"].load == IDLE
+
+
+async def _until(cond: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.002)
+
+
+async def test_an_idle_unit_is_polled_once_a_doze_and_a_request_wakes_the_poll() -> None:
+    polled = 0
+
+    async def poll() -> UnitLoad:
+        nonlocal polled
+        polled += 1
+        return IDLE
+
+    # Fast polling would be every millisecond; an idle unit is asked again only after the doze (4 s).
+    gate = FrontGate(AdmissionConfig(), poll, period_s=0.001, idle_period_s=4.0)
+    gate.start()
+    await _until(lambda: polled == 1)
+    await asyncio.sleep(0.2)
+    assert polled == 1 and gate.num_polls == 1  # dozing, not polling every millisecond
+    contextvars.copy_context().run(gate.refusal, 100)  # a request arrives: the poll wakes now
+    await _until(lambda: polled >= 2, timeout_s=3.0)
+    await gate.stop()
+
+
+async def test_requests_keep_the_poll_fast_and_a_busy_unit_without_requests_dozes() -> None:
+    polled = 0
+
+    async def poll() -> UnitLoad:
+        nonlocal polled
+        polled += 1
+        return BUSY
+
+    gate = FrontGate(AdmissionConfig(), poll, period_s=0.001, idle_period_s=4.0)
+    gate.start()
+    await _until(lambda: polled == 1)
+    await asyncio.sleep(0.2)
+    assert polled == 1  # nobody asks: no poll, busy or not
+
+    async def traffic() -> None:
+        while True:
+            contextvars.copy_context().run(gate.refusal, 100)
+            await asyncio.sleep(0.001)
+
+    sender = asyncio.get_running_loop().create_task(traffic())
+    await _until(lambda: polled >= 6)  # five polls of a doze each would take 20 s
+    sender.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await sender
+    await gate.stop()
+
+
+async def test_snapshots_kept_fresh_by_verdicts_are_not_polled_for() -> None:
+    clock = Clock()
+    polled = 0
+
+    async def poll() -> UnitLoad:
+        nonlocal polled
+        polled += 1
+        return BUSY
+
+    gate = FrontGate(AdmissionConfig(), poll, period_s=0.001, idle_period_s=0.001, clock=clock)
+    gate.observe(BUSY)  # a unit's verdict, as a request let through receives it
+    gate.start()
+    await asyncio.sleep(0.1)  # ~100 turns of the poll loop, all with a snapshot 0 s old
+    assert polled == 0
+    clock.now += 1.0  # no verdict for a second: the poll asks the unit again
+    await _until(lambda: polled >= 1)
+    await gate.stop()
+
+
+def test_the_poll_periods_must_fit_the_snapshots_age_limit() -> None:
+    for period_s, idle_s in ((0.0, 1.0), (0.5, 0.1), (0.1, 5.0)):
+        with pytest.raises(ValueError, match="period_s"):
+            FrontGate(AdmissionConfig(), period_s=period_s, idle_period_s=idle_s)
