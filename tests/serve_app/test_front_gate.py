@@ -332,38 +332,31 @@ async def _until(cond: Any, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.002)
 
 
-async def test_an_idle_unit_is_polled_once_a_doze_and_a_request_wakes_the_poll() -> None:
-    polled = 0
-
+def _gate_answering(load: UnitLoad, **kw: Any) -> FrontGate:
+    """A gate whose poll always answers `load`, polling every millisecond while it polls fast."""
     async def poll() -> UnitLoad:
-        nonlocal polled
-        polled += 1
-        return IDLE
+        return load
 
-    # Fast polling would be every millisecond; an idle unit is asked again only after the doze (4 s).
-    gate = FrontGate(AdmissionConfig(), poll, period_s=0.001, idle_period_s=4.0)
+    return FrontGate(AdmissionConfig(), poll, period_s=0.001, **kw)
+
+
+async def test_an_idle_unit_is_polled_once_a_doze_and_a_request_wakes_the_poll() -> None:
+    gate = _gate_answering(IDLE, idle_period_s=4.0)  # a doze of 4 s against a millisecond's pace
     gate.start()
-    await _until(lambda: polled == 1)
+    await _until(lambda: gate.num_polls == 1)
     await asyncio.sleep(0.2)
-    assert polled == 1 and gate.num_polls == 1  # dozing, not polling every millisecond
+    assert gate.num_polls == 1  # dozing, not polling every millisecond
     contextvars.copy_context().run(gate.refusal, 100)  # a request arrives: the poll wakes now
-    await _until(lambda: polled >= 2, timeout_s=3.0)
+    await _until(lambda: gate.num_polls >= 2, timeout_s=3.0)
     await gate.stop()
 
 
 async def test_requests_keep_the_poll_fast_and_a_busy_unit_without_requests_dozes() -> None:
-    polled = 0
-
-    async def poll() -> UnitLoad:
-        nonlocal polled
-        polled += 1
-        return BUSY
-
-    gate = FrontGate(AdmissionConfig(), poll, period_s=0.001, idle_period_s=4.0)
+    gate = _gate_answering(BUSY, idle_period_s=4.0)
     gate.start()
-    await _until(lambda: polled == 1)
+    await _until(lambda: gate.num_polls == 1)
     await asyncio.sleep(0.2)
-    assert polled == 1  # nobody asks: no poll, busy or not
+    assert gate.num_polls == 1  # nobody asks: no poll, busy or not
 
     async def traffic() -> None:
         while True:
@@ -371,7 +364,7 @@ async def test_requests_keep_the_poll_fast_and_a_busy_unit_without_requests_doze
             await asyncio.sleep(0.001)
 
     sender = asyncio.get_running_loop().create_task(traffic())
-    await _until(lambda: polled >= 6)  # five polls of a doze each would take 20 s
+    await _until(lambda: gate.num_polls >= 6)  # five polls of a doze each would take 20 s
     sender.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await sender
@@ -380,20 +373,13 @@ async def test_requests_keep_the_poll_fast_and_a_busy_unit_without_requests_doze
 
 async def test_snapshots_kept_fresh_by_verdicts_are_not_polled_for() -> None:
     clock = Clock()
-    polled = 0
-
-    async def poll() -> UnitLoad:
-        nonlocal polled
-        polled += 1
-        return BUSY
-
-    gate = FrontGate(AdmissionConfig(), poll, period_s=0.001, idle_period_s=0.001, clock=clock)
+    gate = _gate_answering(BUSY, idle_period_s=0.001, clock=clock)
     gate.observe(BUSY)  # a unit's verdict, as a request let through receives it
     gate.start()
     await asyncio.sleep(0.1)  # ~100 turns of the poll loop, all with a snapshot 0 s old
-    assert polled == 0
+    assert gate.num_polls == 0
     clock.now += 1.0  # no verdict for a second: the poll asks the unit again
-    await _until(lambda: polled >= 1)
+    await _until(lambda: gate.num_polls >= 1)
     await gate.stop()
 
 
