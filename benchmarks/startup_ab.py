@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,9 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.chat_load import Workload, fixed_length_prompts, run_load  # noqa: E402
 from benchmarks.cpu_split import CpuSplit  # noqa: E402
-from benchmarks.vs_vllm_cpu import MODEL, free_port, parse_shapes, stop_server  # noqa: E402
+from benchmarks.vs_vllm_cpu import MODEL, first_answer, free_port, parse_shapes, stop_server  # noqa: E402
 
-BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 SETTLE_S = 10.0  # after the first answer: the warm-up's metrics pushes and the replicas' start-up work end
 
 
@@ -61,7 +59,8 @@ def run_server(tree: Path, config: Path, rest_s: float = 0.0, load: Workload | N
         proc = subprocess.Popen([str(serve), "run", str(path)], cwd=tree, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         try:
-            out: dict[str, Any] = {"startup_s": _first_answer(proc, url, start, timeout_s, tree)}
+            first_answer(url, timeout_s, proc, poll_s=0.2)
+            out: dict[str, Any] = {"startup_s": time.monotonic() - start}
             if rest_s > 0:
                 time.sleep(SETTLE_S)
                 split = CpuSplit(proc.pid)
@@ -79,20 +78,6 @@ def run_server(tree: Path, config: Path, rest_s: float = 0.0, load: Workload | N
         finally:
             stop_server(proc)  # SIGTERM: serve run shuts Serve and its Ray instance down
             time.sleep(2.0)  # the Ray instance's processes are gone before the next launch
-
-
-def _first_answer(proc: subprocess.Popen[bytes], url: str, start: float, timeout_s: float, tree: Path) -> float:
-    while time.monotonic() - start < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve run exited ({proc.returncode}) before answering ({tree})")
-        try:
-            r = httpx.post(f"{url}/v1/chat/completions", json=BODY, timeout=30)
-            if r.status_code == 200:
-                return time.monotonic() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"no answer within {timeout_s:.0f} s ({tree})")
 
 
 def _median_table(runs: list[dict[str, float]]) -> dict[str, float]:

