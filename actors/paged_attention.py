@@ -41,6 +41,11 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 BLOCK_N = 64  # KV positions per loop iteration (spans several cache blocks)
 PREFILL_ROWS = 64  # rows (token x group head) per prefill program
+# Decode launches: KV positions a loop iteration, warps, software-pipelining depth (Triton's defaults
+# but for the block); benchmarks/gpu_check.py times alternatives on the GPU it runs on.
+DECODE_LAUNCH = {"BLOCK_KV": BLOCK_N, "num_warps": 4, "num_stages": 3}
+SPLIT_TOKENS = 256  # decode: KV positions per split (a multiple of BLOCK_N)
+MAX_SPLITS = 64  # decode: past this many, the splits grow instead
 
 
 def _next_pow2(n: int) -> int:
@@ -49,11 +54,12 @@ def _next_pow2(n: int) -> int:
 
 def _paged_attention_kernel(  # pragma: no cover - compiled by Triton (tests run it interpreted)
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, tile_seq_ptr, tile_q0_ptr,
+        part_ptr, part_ml_ptr, num_splits, split_share, num_heads,
         scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_tab, block_size,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
         BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, BLOCK_KV: tl.constexpr, DECODE: tl.constexpr,
-        IEEE: tl.constexpr):
+        SPLIT: tl.constexpr, IEEE: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     if DECODE:  # one tile per sequence, one token each: row t of the flat batch is sequence t
@@ -85,8 +91,13 @@ def _paged_attention_kernel(  # pragma: no cover - compiled by Triton (tests run
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, HEAD_PAD], dtype=tl.float32)
     kv_end = tl.minimum(seq_len, context + q0 + BLOCK_Q)  # the tile's last row sees no further
+    kv_begin = 0
+    if SPLIT:  # flash-decoding: split s takes positions [s * share, (s + 1) * share), empty past the length
+        split = tl.program_id(2)
+        kv_begin = split * split_share
+        kv_end = tl.minimum(seq_len, kv_begin + split_share)
     table = tables_ptr + seq * stride_tab
-    for start in range(0, kv_end, BLOCK_KV):
+    for start in range(kv_begin, kv_end, BLOCK_KV):
         pos = start + tl.arange(0, BLOCK_KV)
         pos_ok = pos < kv_end
         block = tl.load(table + pos // block_size, mask=pos_ok, other=0).to(tl.int64)  # no int32 overflow
@@ -113,23 +124,74 @@ def _paged_attention_kernel(  # pragma: no cover - compiled by Triton (tests run
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    if SPLIT:  # the split's unnormalized sum and its (max, denominator); _merge_splits_kernel combines them
+        # (an empty split, past the row's length, is never read)
+        part_row = (seq * num_heads + head) * num_splits + split
+        tl.store(part_ptr + part_row[:, None] * HEAD_PAD + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part_row * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part_row * 2 + 1, l_i, mask=row_ok)
+    else:
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-_KERNEL: list[Any] = []
+def _merge_splits_kernel(  # pragma: no cover - compiled by Triton (tests run it interpreted)
+        part_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, num_splits, split_share, num_heads, stride_ot, stride_oh,
+        HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """One program per (sequence, query head): the row's non-empty splits, rescaled to their common
+    max one after another in split order, so the sum is the same whatever the table's width."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    used = tl.cdiv(tl.load(seq_lens_ptr + seq), split_share)
+    dims = tl.arange(0, HEAD_PAD)
+    first = (seq * num_heads + head) * num_splits
+    m = tl.load(part_ml_ptr + first * 2)
+    den = tl.load(part_ml_ptr + first * 2 + 1)
+    acc = tl.load(part_ptr + first * HEAD_PAD + dims)
+    for s in range(1, used):
+        m_s = tl.load(part_ml_ptr + (first + s) * 2)
+        m_new = tl.maximum(m, m_s)
+        alpha = tl.exp(m - m_new)
+        beta = tl.exp(m_s - m_new)
+        den = den * alpha + tl.load(part_ml_ptr + (first + s) * 2 + 1) * beta
+        acc = acc * alpha + tl.load(part_ptr + (first + s) * HEAD_PAD + dims) * beta
+        m = m_new
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, (acc / den).to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
 
 
-def _kernel(device: torch.device) -> Any:
-    """The kernel, jitted once. Under TRITON_INTERPRET=1 (set before Triton is imported) `triton.jit`
+_JITTED: dict[Any, Any] = {}
+
+
+def jitted(fn: Any, device: torch.device) -> Any:
+    """`fn` jitted once. Under TRITON_INTERPRET=1 (set before Triton is imported) `triton.jit`
     gives Triton's interpreter, which runs the same source on CPU tensors."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if device.type != "cuda" and not interpreted:
-        raise RuntimeError("the Triton paged-attention kernel needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
-    if not _KERNEL:
-        _KERNEL.append(triton.jit(_paged_attention_kernel))
-    return _KERNEL[0]
+        raise RuntimeError(f"the Triton kernel {fn.__name__} needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    if fn not in _JITTED:
+        _JITTED[fn] = triton.jit(fn)
+    return _JITTED[fn]
+
+
+def _kernel(device: torch.device) -> Any:
+    return jitted(_paged_attention_kernel, device)
+
+
+def decode_splits(width_tokens: int) -> tuple[int, int]:
+    """(splits, tokens per split) of a decode launch whose tables span `width_tokens` (flash-decoding).
+
+    One program per (sequence, KV head) leaves most of a large GPU idle at small batches and walks
+    a long context serially; split s instead takes positions [s * share, (s + 1) * share) of every
+    row, and a second kernel merges the splits. The share is fixed (SPLIT_TOKENS) until the table
+    is wider than MAX_SPLITS of them, so the partition of a row's context depends on its length
+    alone, not on the batch nor (below that width) on the table: a CUDA graph's wider table only
+    adds empty splits, and a replay computes what the eager step computes, bit for bit. Static
+    given the launch's shapes, as a graph needs."""
+    share = max(SPLIT_TOKENS, -(-width_tokens // (MAX_SPLITS * BLOCK_N)) * BLOCK_N)
+    splits = -(-width_tokens // share)
+    return (splits, share) if splits > 1 else (1, -(-width_tokens // BLOCK_N) * BLOCK_N)
 
 
 @dataclass(slots=True)
@@ -172,29 +234,54 @@ def build_prefill(spans: list[Any], scratch_block: int, group: int, device: torc
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
             tables: torch.Tensor, seq_lens: torch.Tensor, q_start: torch.Tensor, tile_seq: torch.Tensor,
-            tile_q0: torch.Tensor, tiles: int, block_q: int, scale: float, decode: bool) -> None:
+            tile_q0: torch.Tensor, tiles: int, block_q: int, scale: float, decode: bool, splits: int = 1,
+            share: int = 0) -> None:
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
     group_pad = _next_pow2(group)
+    head_pad = max(16, _next_pow2(head_dim))
     rows = max(16, _next_pow2(block_q * group_pad))  # tl.dot needs at least 16 rows
-    _kernel(q.device)[(tiles, kv_heads)](
-        q, k_cache, v_cache, out, tables, seq_lens, q_start, tile_seq, tile_q0, scale,
+    split = decode and splits > 1
+    if split:  # fp32 partial sums [D, H, splits, head_pad] and (max, denominator) pairs, merged below
+        part = torch.empty(tiles * heads * splits * head_pad, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(tiles * heads * splits * 2, dtype=torch.float32, device=q.device)
+    else:
+        part = part_ml = q  # unused without SPLIT
+    launch = dict(DECODE_LAUNCH) if decode else {"BLOCK_KV": BLOCK_N}
+    _kernel(q.device)[(tiles, kv_heads, splits if split else 1)](
+        q, k_cache, v_cache, out, tables, seq_lens, q_start, tile_seq, tile_q0, part, part_ml, splits, share, heads,
+        scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), tables.stride(0), k_cache.shape[1],
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_PAD=max(16, _next_pow2(head_dim)),
-        BLOCK_Q=block_q, ROWS=rows, BLOCK_KV=BLOCK_N, DECODE=decode, IEEE=q.dtype == torch.float32)
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+        BLOCK_Q=block_q, ROWS=rows, DECODE=decode, SPLIT=split, IEEE=q.dtype == torch.float32, **launch)
+    if split:
+        jitted(_merge_splits_kernel, q.device)[(tiles, heads)](
+            part, part_ml, out, seq_lens, splits, share, heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad)
 
 
 def triton_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  context_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """q [D, H, hd]: one token per sequence; context_lens include this step's token. Writes out[:D]."""
+                  context_lens: torch.Tensor, scale: float, out: torch.Tensor, share: int | None = None) -> None:
+    """q [D, H, hd]: one token per sequence; context_lens include this step's token. Writes out[:D].
+
+    `share`: KV positions per split (a multiple of BLOCK_N; at least the table width: one pass);
+    None: `decode_splits` of the table's width."""
     n = q.shape[0]
     if n == 0:
         return
+    width = block_tables.shape[1] * k_cache.shape[1]
+    if share is None:
+        splits, share = decode_splits(width)
+    else:
+        if share <= 0 or share % BLOCK_N:
+            raise ValueError(f"share={share}: want a positive multiple of {BLOCK_N}")
+        splits = -(-width // share)
     dummy = context_lens  # unused in DECODE mode; any int tensor keeps the signature
-    _launch(q, k_cache, v_cache, out, block_tables, context_lens, dummy, dummy, dummy, n, 1, scale, True)
+    _launch(q, k_cache, v_cache, out, block_tables, context_lens, dummy, dummy, dummy, n, 1, scale, True, splits,
+            share)
 
 
 def triton_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pre: TritonPrefill,

@@ -10,6 +10,9 @@ A TP-N shard is profiled alone on one device (`--tp N`: one rank's heads and col
 collectives skipped); the all-reduce terms are zero unless measured elsewhere. `--layers`
 profiles fewer layers than the model has (70B does not fit one device at TP1): per-layer
 figures are measured, then `num_layers` and the attention terms are scaled to the real depth.
+On a GPU the decode steps replay CUDA graphs, as serving runs them (an eager decode of a deep
+model is bound by its kernel launches, which no serving step pays); their host floor is fitted
+apart from the eager prefill steps' (`graph_host_floor_ms`).
 On CPU it runs a quick sweep (tests use the tiny config); the full sweep is meant for a GPU.
 
     tidal profile --model llama-3-70b --tp 8 --layers 8 --gpu h100 --out costmodels-h100.yaml
@@ -46,14 +49,18 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def _build_runner(cfg: dict[str, Any], tp: int, device: str, max_len: int, threads: int | None,
-                  max_batch: int = 64) -> Any:
+                  max_batch: int = 64, graph_batches: tuple[int, ...] = (), graph_context: int = 2048) -> Any:
+    """A runner for the sweeps. On CUDA, decode steps of `graph_batches` replay CUDA graphs captured
+    at one context bucket of `graph_context` tokens (plus the full width), as serving does; on CPU
+    (or with no batches) every step is eager."""
     from actors.models import TPContext
     from actors.worker_setup import EngineSpec, WorkerBuilder
 
     # The KV budget is profiled on the largest step this sweep sends (its largest decode batch).
     spec = EngineSpec(random_config=cfg, device=device, max_model_len=max_len, kv_cache_gb=0.5,
                       gpu_memory_utilization=0.85, max_num_batched_tokens=min(max_len, 8192), torch_threads=threads,
-                      enforce_eager=True, max_batch_size=max_batch)
+                      enforce_eager=not graph_batches, cuda_graph_buckets=tuple(graph_batches) or (1,),
+                      cuda_graph_contexts=(graph_context,), max_batch_size=max_batch)
     builder = WorkerBuilder(spec, TPContext(0, tp, None, collectives=False))
     blocks, _ = builder.load()
     return builder.finish(blocks)
@@ -88,13 +95,16 @@ def profile(model: str, gpu: str, tp: int = 1, layers: int | None = None, device
     cfg["num_hidden_layers"] = min(layers or real_layers, real_layers)
     sweep = QUICK if quick else FULL
     max_batch = max(*sweep.decode_batches, *(b for b, _ in sweep.decode_attention))
-    runner = _build_runner(cfg, tp, device, 2 * max(sweep.prefill_prompts) + 1024, threads, max_batch)
+    runner = _build_runner(cfg, tp, device, 2 * max(sweep.prefill_prompts) + 1024, threads, max_batch,
+                           sweep.decode_batches)
     linear = linear_curve(runner, sweep)
     prefill, decode = attention_rows(runner, sweep)
     steps = step_points(runner, sweep, cfg["vocab_size"])
     measured_layers = cfg["num_hidden_layers"]
     device_coeffs = _device_coefficients(linear, prefill, decode, measured_layers)
-    points = [MeasuredPoint(kind, prompt, batch, ms, sweep.repeats, held_out=i % 2 == 1)
+    graphs = set(runner.graphs.captured_batches) if runner.graphs is not None else set()
+    points = [MeasuredPoint(kind, prompt, batch, ms, sweep.repeats, held_out=i % 2 == 1,
+                            graph=kind == "decode" and batch in graphs)
               for i, (kind, prompt, batch, ms) in enumerate(steps)]
     fitted = fit.end_to_end_stage(gpu, tp, device_coeffs, [p for p in points if not p.held_out])
     coeffs = fit._build(gpu, tp, device_coeffs, **fitted).coefficients.to_dict()

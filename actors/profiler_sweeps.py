@@ -67,12 +67,19 @@ def linear_curve(runner: ModelRunner, sweep: Sweep) -> list[tuple[int, float]]:
     layer = runner.model.layers[0]
     attn = layer.self_attn
     hidden = runner.model.cfg.hidden_size
+    fused = runner.attention_backend == "triton"  # the layer's ops as serving runs them (llama.py)
     out = []
     for t in sweep.linear_tokens:
         x = torch.randn(t, hidden, device=runner.device, dtype=runner.model.dtype)
         att = torch.randn(t, attn.q_size, device=runner.device, dtype=runner.model.dtype)
 
         def ops(x: torch.Tensor = x, att: torch.Tensor = att) -> None:
+            if fused:
+                h, res = layer.input_layernorm.fused(x, x)
+                attn.qkv_proj(h)
+                h, _ = layer.post_attention_layernorm.fused(attn.o_proj(att), res)
+                layer.mlp(h, fused=True)
+                return
             attn.qkv_proj(layer.input_layernorm(x))
             h = x + attn.o_proj(att)
             layer.mlp(layer.post_attention_layernorm(h))
@@ -157,9 +164,16 @@ class _PlanMaker:
                 group.append(length)
         return rids
 
-    def decode(self, rids: list[str], finished: list[str] | None = None) -> StepPlan:
+    def decode(self, rids: list[str], finished: list[str] | None = None, padded: int | None = None) -> StepPlan:
+        """A decode step of `rids`; `padded`: the CUDA-graph bucket it replays at (None: eager)."""
         ctx = sum(self.runner.context_len(r) for r in rids)
-        return StepPlan(next(self.ids), dict.fromkeys(rids, 1), {}, [], {}, finished or [], len(rids), 0, ctx, None)
+        return StepPlan(next(self.ids), dict.fromkeys(rids, 1), {}, [], {}, finished or [], len(rids), 0, ctx, padded)
+
+    def graph_bucket(self, batch: int) -> int | None:
+        """The captured batch a decode of `batch` pads to, as the scheduler would; None: eager."""
+        graphs = self.runner.graphs
+        fits = [b for b in (graphs.captured_batches if graphs is not None else ()) if b >= batch]
+        return min(fits) if fits else None
 
 
 def step_points(runner: ModelRunner, sweep: Sweep, vocab: int) -> list[tuple[str, int, int, float]]:
@@ -179,7 +193,9 @@ def step_points(runner: ModelRunner, sweep: Sweep, vocab: int) -> list[tuple[str
     context = sweep.decode_prompt + DECODE_OUTPUT_TOKENS // 2
     for batch in sweep.decode_batches:
         rids = maker.prefill_many([context - 1] * batch, sweep.repeats + 2, sweep.max_step_tokens)
+        bucket = maker.graph_bucket(batch)
         rows.append(("decode", sweep.decode_prompt, batch,
-                     timed(lambda rids=rids: runner.execute(maker.decode(rids)), sweep.repeats, runner.device)))
+                     timed(lambda rids=rids, b=bucket: runner.execute(maker.decode(rids, padded=b)), sweep.repeats,
+                           runner.device)))
         runner.execute(maker.decode([], finished=rids))
     return rows

@@ -133,6 +133,81 @@ def _decode_rows(runner: Any, maker: Any, cfg: dict[str, Any], weight_bytes: int
     return rows
 
 
+def _attention_rows(runner: Any, cfg: dict[str, Any], bandwidth: float) -> list[dict[str, Any]]:
+    """One layer's decode attention alone (the Triton kernel, no other op) at the largest batch and
+    context and at batch 1: one pass over the KV (splits=1) against the split-KV launch the engine
+    picks, as KV bytes read per second against the copy bandwidth. CUDA events, median of repeats."""
+    import torch
+
+    from actors.paged_attention import BLOCK_N, DECODE_LAUNCH, decode_splits, triton_decode
+
+    if runner.attention_backend != "triton":
+        return []
+    attn = runner.model.layers[0].self_attn
+    k_cache, v_cache = runner.kv_caches[0]
+    bs, kvh, hd = runner.block_size, attn.shard.kv_count, attn.head_dim
+    dev, dt = runner.device, runner.model.dtype
+    rows = []
+    for batch, ctx in ((max(cfg["batches"]), max(cfg["contexts"])), (1, max(cfg["contexts"])),
+                       (max(cfg["batches"]), min(cfg["contexts"]))):
+        per_seq = -(-ctx // bs)
+        tables = torch.arange(batch * per_seq, device=dev).remainder(runner.num_blocks).view(batch, per_seq)
+        lens = torch.full((batch,), ctx, device=dev)
+        q = torch.randn(batch, attn.shard.q_count, hd, device=dev, dtype=dt)
+        out = torch.empty_like(q)
+        kv_bytes = 2 * batch * ctx * kvh * hd * k_cache.element_size()
+        width = per_seq * bs
+        auto, auto_share = decode_splits(width)
+        for splits, share in sorted({(1, -(-width // BLOCK_N) * BLOCK_N), (auto, auto_share)}):
+            args = (q, k_cache, v_cache, tables, lens, attn.scale, out)
+            ms = _event_ms(lambda args=args, s=share: triton_decode(*args, share=s), cfg["repeats"] * 3,
+                           smoke=dev.type != "cuda")
+            rows.append({"batch": batch, "context": ctx, "splits": splits, "chosen": splits == auto,
+                         "ms": round(ms, 4), "kv_bytes_per_s": round(kv_bytes / ms * 1e3),
+                         "vs_copy_bandwidth": round(kv_bytes / ms * 1e3 / bandwidth, 3),
+                         "launch": dict(DECODE_LAUNCH)})
+            if splits == auto and dev.type == "cuda":  # the engine's launch against other block/warp/stage choices
+                default = dict(DECODE_LAUNCH)
+                try:
+                    for variant in LAUNCH_VARIANTS:
+                        DECODE_LAUNCH.update({**default, **variant})
+                        ms = _event_ms(lambda args=args, s=share: triton_decode(*args, share=s), cfg["repeats"] * 3,
+                                       smoke=False)
+                        rows.append({"batch": batch, "context": ctx, "splits": splits, "chosen": False,
+                                     "ms": round(ms, 4), "kv_bytes_per_s": round(kv_bytes / ms * 1e3),
+                                     "vs_copy_bandwidth": round(kv_bytes / ms * 1e3 / bandwidth, 3),
+                                     "launch": dict(DECODE_LAUNCH)})
+                finally:
+                    DECODE_LAUNCH.clear()
+                    DECODE_LAUNCH.update(default)
+    return rows
+
+
+LAUNCH_VARIANTS = ({"num_stages": 2}, {"num_stages": 4}, {"num_warps": 8}, {"BLOCK_KV": 32, "num_stages": 4},
+                   {"BLOCK_KV": 128}, {"BLOCK_KV": 128, "num_warps": 8})
+
+
+def _event_ms(fn: Any, repeats: int, smoke: bool) -> float:
+    """Median device milliseconds of fn (CUDA events; wall time in the smoke run)."""
+    import torch
+
+    fn()
+    samples = []
+    for _ in range(repeats):
+        if smoke:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
 def engine(out: Path, smoke: bool) -> dict[str, Any]:
     import torch
 
@@ -152,6 +227,7 @@ def engine(out: Path, smoke: bool) -> dict[str, Any]:
     kv_token_bytes = builder.kv_spec().bytes_per_block // builder.spec.block_size
     maker = _PlanMaker(runner, PRESETS[cfg["model"]]["vocab_size"])
     decode = _decode_rows(runner, maker, cfg, weight_bytes, kv_token_bytes, bandwidth)
+    attention = _attention_rows(runner, cfg, bandwidth)
     prefill = []
     for n in cfg["prefill"]:
         times = []
@@ -171,7 +247,8 @@ def engine(out: Path, smoke: bool) -> dict[str, Any]:
               "copy_bandwidth_bytes_per_s": round(bandwidth),
               "memory_profile": dataclasses.asdict(mem) if mem else None,
               "graph_pool_bytes_measured": runner.graphs.pool_bytes if runner.graphs else None,
-              "graph_padding": runner.graphs.padding() if runner.graphs else None, "decode": decode, "prefill": prefill}
+              "graph_padding": runner.graphs.padding() if runner.graphs else None, "decode": decode, "prefill": prefill,
+              "attention_kernel": attention}
     if torch.cuda.is_available() and not smoke:
         result["max_memory_allocated"] = torch.cuda.max_memory_allocated()
         result["total_memory"] = torch.cuda.get_device_properties(0).total_memory
@@ -233,6 +310,13 @@ def report(out: Path) -> str:
                          f"{r.get('graph_vs_bound', '-')} | {r.get('token_identical', '-')} |")
         lines += ["", "| prefill tokens | ms | tokens/s |", "|---|---|---|"]
         lines += [f"| {r['tokens']} | {r['ms']} | {r['tokens_per_s']} |" for r in eng["prefill"]]
+        if eng.get("attention_kernel"):
+            lines += ["", "Decode attention of one layer alone (KV bytes read per second; * the engine's choice):", "",
+                      "| batch | context | splits | launch | ms | KV TB/s | / copy bandwidth |",
+                      "|---|---|---|---|---|---|---|"]
+            lines += [f"| {r['batch']} | {r['context']} | {r['splits']}{' *' if r['chosen'] else ''} | "
+                      f"{r.get('launch', '')} | {r['ms']} | {r['kv_bytes_per_s'] / 1e12:.3g} | "
+                      f"{r['vs_copy_bandwidth']} |" for r in eng["attention_kernel"]]
         big = [r for r in eng["decode"] if r["batch"] == 64 and r["context"] == 4096]
         best = min((r.get("graph_vs_bound", r["eager_vs_bound"]) for r in big), default=None)
         small = [r["graph_speedup"] for r in eng["decode"] if r["batch"] <= 8 and "graph_speedup" in r]

@@ -39,10 +39,10 @@ stage() {  # stage NAME SECONDS COMMAND...
   return 0
 }
 
-if [ -n "$SMOKE" ]; then TESTS=(tests/gpu); else TESTS=(tests/gpu tests/actors/test_paged_attention.py); fi
-stage tests 130 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" "${TESTS[@]}" > "$DEST/gpu_tests.log" 2>&1
+if [ -n "$SMOKE" ]; then TESTS=(tests/gpu); else TESTS=(tests/gpu tests/actors/test_paged_attention.py tests/actors/test_fused_ops.py); fi
+stage tests 150 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" "${TESTS[@]}" > "$DEST/gpu_tests.log" 2>&1
 tail -n 3 "$DEST/gpu_tests.log"
-stage engine 170 "$PY" -m benchmarks.gpu_check engine --out "$DEST" $SMOKE
-stage profile 140 "$PY" -m benchmarks.gpu_check profile --out "$DEST" $SMOKE
+stage engine 160 "$PY" -m benchmarks.gpu_check engine --out "$DEST" $SMOKE
+stage profile 130 "$PY" -m benchmarks.gpu_check profile --out "$DEST" $SMOKE
 stage report 20 "$PY" -m benchmarks.gpu_check report --out "$DEST"
 exit $status

@@ -14,6 +14,7 @@ pure-decode step), P the prefill tokens, N the sequences, C the KV tokens the de
     device = L*s*(roof(T) + 2*allreduce(T)) * (1 + gain*sigmoid(T))           GEMMs, norms, TP
            + attn_pair * sum(n*(ctx + n/2)) + attn_token * P + attn_decode * C   attention
     step   = max_r(host_floor, device)                                         host work overlaps
+                (host_floor is graph_host_floor for a CUDA-graph step when the model has one)
            + step + prefill_step*[P > 0] + per_seq*N + decode_ctx*C             host work that does not
 
 `roof(x) = (floor^p + (slope*x)^p)^(1/p)` (memory-bound at small x, compute-bound at large x),
@@ -64,10 +65,15 @@ class CostCoefficients:
     prefill_step_ms: float          # per step that holds prefill tokens
     per_seq_ms: float               # per sequence in the step
     decode_ctx_ms_per_token: float  # per KV token the decodes attend (host side of the fit)
+    # host_floor of a CUDA-graph step (one replay, no per-kernel launches); None: host_floor, as for
+    # models fitted on eager engines. Optional in the YAML, written only when set.
+    graph_host_floor_ms: float | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if value is None and f.name in OPTIONAL:
+                continue
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"cost model coefficient {f.name}={value!r} must be a finite number >= 0")
         if self.num_layers < 1:
@@ -79,16 +85,21 @@ class CostCoefficients:
             raise ValueError("large_step_knee_tokens and large_step_sharpness must be > 0")
 
     def to_dict(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if not (f.name in OPTIONAL and getattr(self, f.name) is None)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CostCoefficients:
         names = {f.name for f in dataclasses.fields(cls)}
-        missing, unknown = names - set(data), set(data) - names
+        missing, unknown = names - OPTIONAL - set(data), set(data) - names
         if missing or unknown:
             raise ValueError(f"cost model coefficients: missing {sorted(missing)}, unknown {sorted(unknown)}")
-        values: dict[str, Any] = {k: (int(v) if k == "num_layers" else float(v)) for k, v in data.items()}
+        values: dict[str, Any] = {k: (int(v) if k == "num_layers" else None if v is None else float(v))
+                                  for k, v in data.items()}
         return cls(**values)
+
+
+OPTIONAL = frozenset({"graph_host_floor_ms"})  # coefficients a YAML may leave out
 
 
 class CostModel:
@@ -148,7 +159,11 @@ class CostModel:
         if not self.include_host:
             return device
         r = k.overlap
-        overlapped: float = device + k.host_floor if r == 1.0 else (k.host_floor_r + device ** r) ** k.inv_overlap
+        if padded is not None and k.graph_host_floor is not None:  # a replayed graph: its own host floor
+            floor = k.graph_host_floor
+            overlapped: float = device + floor if r == 1.0 else (floor ** r + device ** r) ** k.inv_overlap
+        else:
+            overlapped = device + k.host_floor if r == 1.0 else (k.host_floor_r + device ** r) ** k.inv_overlap
         t = overlapped + k.step + k.per_seq * (num_chunks + num_decode) + k.decode_ctx * decode_ctx
         return t + k.prefill_step if prefill else t
 
@@ -230,8 +245,9 @@ class _Precomputed:
     """The coefficients in seconds, per step, with the exponents the hot path needs."""
 
     __slots__ = ("ar_floor_p", "ar_inv_p", "ar_p", "ar_slope", "attn_decode", "attn_pair", "attn_token",
-                 "decode_ctx", "gain", "host_floor", "host_floor_r", "inv_overlap", "knee", "lin_floor_p",
-                 "lin_inv_p", "lin_p", "lin_slope", "overlap", "per_seq", "prefill_step", "sharpness", "step")
+                 "decode_ctx", "gain", "graph_host_floor", "host_floor", "host_floor_r", "inv_overlap", "knee",
+                 "lin_floor_p", "lin_inv_p", "lin_p", "lin_slope", "overlap", "per_seq", "prefill_step", "sharpness",
+                 "step")
 
     def __init__(self, c: CostCoefficients) -> None:
         ms = 1e-3
@@ -251,6 +267,7 @@ class _Precomputed:
         self.attn_token: float = c.attn_prefill_ms_per_token * ms
         self.attn_decode: float = c.attn_decode_ms_per_token * ms
         self.host_floor: float = c.host_floor_ms * ms
+        self.graph_host_floor: float | None = None if c.graph_host_floor_ms is None else c.graph_host_floor_ms * ms
         self.overlap: float = c.host_overlap
         self.inv_overlap: float = 1.0 / c.host_overlap
         self.host_floor_r: float = self.host_floor ** self.overlap

@@ -113,16 +113,24 @@ def _build(gpu: str, tp: int, device: dict[str, float], **fitted: float) -> Cost
 
 def end_to_end_stage(gpu: str, tp: int, device: dict[str, float],
                      train: list[data.MeasuredPoint]) -> dict[str, float]:
-    """Nonlinear (host_floor, linear_scale, large_step_gain) by Levenberg-Marquardt in log space;
-    for each, the host terms that enter linearly by non-negative least squares (variable projection)."""
+    """Nonlinear (host_floor, linear_scale, large_step_gain, and graph_host_floor when some training
+    steps were replayed from CUDA graphs) by Levenberg-Marquardt in log space; for each, the host
+    terms that enter linearly by non-negative least squares (variable projection)."""
     y = np.array([p.measured_ms for p in train])
     x_host = np.array([_host_features(p) for p in train]) / y[:, None]
     args = [p.step_args() for p in train]
+    graphs = any(p.graph for p in train)
+
+    def fitted(theta: np.ndarray) -> dict[str, float]:
+        values = np.exp(np.clip(theta, -12.0, 12.0))  # keep wild LM trials finite
+        out = {"host_floor_ms": float(values[0]), "linear_scale": float(values[1]),
+               "large_step_gain": float(values[2])}
+        if graphs:
+            out["graph_host_floor_ms"] = float(values[3])
+        return out
 
     def solve(theta: np.ndarray, r: float) -> tuple[np.ndarray, np.ndarray]:
-        host_floor, scale, gain = np.exp(np.clip(theta, -12.0, 12.0))  # keep wild LM trials finite
-        model = _build(gpu, tp, device, host_floor_ms=float(host_floor), linear_scale=float(scale),
-                       large_step_gain=float(gain), host_overlap=r)
+        model = _build(gpu, tp, device, host_overlap=r, **fitted(theta))
         base = np.array([model.step_time_s(*a) * 1e3 for a in args])
         host = nnls(x_host, 1.0 - base / y)
         return base / y + x_host @ host - 1.0, host
@@ -134,15 +142,14 @@ def end_to_end_stage(gpu: str, tp: int, device: dict[str, float],
             return solve(theta, r)[0]
 
         for start in ((0.9 * floor0, 1.0, 0.5), (0.5 * floor0, 1.0, 1.0), (0.9 * floor0, 0.8, 1.5)):
+            start = (*start, 0.5 * floor0) if graphs else start
             theta, cost = levenberg_marquardt(residuals, [math.log(v) for v in start], max_iter=100)
             if best is None or cost < best[0] - 1e-12:
                 best = (cost, r, theta)
     assert best is not None
     _, r, theta = best
     host = solve(theta, r)[1]
-    host_floor, scale, gain = np.exp(np.clip(theta, -12.0, 12.0))
-    return {"host_floor_ms": float(host_floor), "linear_scale": float(scale), "large_step_gain": float(gain),
-            "host_overlap": r, **{k: float(v) for k, v in zip(HOST_TERMS, host, strict=True)}}
+    return {**fitted(theta), "host_overlap": r, **{k: float(v) for k, v in zip(HOST_TERMS, host, strict=True)}}
 
 
 def _round(value: float, digits: int = 6) -> float:

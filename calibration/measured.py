@@ -53,6 +53,7 @@ class MeasuredPoint:
     measured_ms: float
     num_repeats: int
     held_out: bool
+    graph: bool = False  # a decode replayed from a CUDA graph (`tidal profile` on a GPU); SplitwiseSim's are eager
 
     @property
     def slice(self) -> str:
@@ -68,10 +69,11 @@ class MeasuredPoint:
         return self.batch * (self.prompt + DECODE_OUTPUT_TOKENS // 2) if self.kind == "decode" else 0
 
     def step_args(self) -> tuple[tuple[tuple[int, int], ...], int, int, int | None]:
-        """Arguments of `CostModel.step_time_s` (eager steps: late-2023 vLLM ran without CUDA graphs)."""
+        """Arguments of `CostModel.step_time_s` (eager steps: late-2023 vLLM ran without CUDA graphs;
+        a graph decode is padded to its own batch, which is a captured bucket)."""
         if self.kind == "prefill":
             return ((self.prompt, 0),) * self.batch, 0, 0, None
-        return (), self.batch, self.decode_context_tokens, None
+        return (), self.batch, self.decode_context_tokens, self.batch if self.graph else None
 
     @property
     def label(self) -> str:

@@ -116,14 +116,22 @@ def _triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
         triton_prefill(q, k_cache, v_cache, meta.triton_prefill, scale, out)
 
 
+def attend_in_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """The Triton backend's attention once this step's K/V are in the cache (written by
+    actors/models/fused_ops.rope_and_cache, or by `write_kv`). q: [T, H, hd] -> [T, H, hd]."""
+    out = torch.empty_like(q)
+    _triton(q, k_cache, v_cache, meta, scale, out)
+    return out
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, H, hd], k/v: [T, Hkv, hd] for the flat batch (decodes first). Returns [T, H, hd]."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty_like(q)
     if meta.backend == "triton":
-        _triton(q, k_cache, v_cache, meta, scale, out)
-        return out
+        return attend_in_cache(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
     d = meta.num_decodes
     if d:
         tables, lens = meta.decode_block_tables, meta.decode_context_lens

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.models.attention import AttentionMetadata, paged_attention
+from actors.models.attention import AttentionMetadata, attend_in_cache, paged_attention
 from actors.models.config import ModelConfig
+from actors.models.fused_ops import rms_norm, rope_and_cache, silu_and_mul
 from actors.models.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -58,6 +59,10 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One Triton kernel: norm(x + residual) and the sum (norm(x) and None without a residual)."""
+        return rms_norm(x, self.weight, self.eps, residual)
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype) -> None:
@@ -73,6 +78,10 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
+        if meta.backend == "triton":  # fused: RoPE and the K/V cache write in one kernel, attention reads in place
+            q = rope_and_cache(self.qkv_proj(x), cos, sin, meta.slot_mapping, kv[0], kv[1], self.shard.q_count,
+                               self.shard.kv_count, self.head_dim)
+            return self.o_proj(attend_in_cache(q, kv[0], kv[1], meta, self.scale).reshape(t, self.q_size))
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(t, -1, self.head_dim), cos, sin)
         k = apply_rotary(k.view(t, -1, self.head_dim), cos, sin)
@@ -87,7 +96,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * self.local, False, dtype)
         self.down_proj = RowParallelLinear(self.local, cfg.hidden_size, tp, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split([self.local, self.local], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -100,10 +111,20 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the caller adds them, or the next
+        layer's norm does (fused on the Triton backend). `residual` is None at the first layer."""
+        fused = meta.backend == "triton"
+        if fused:
+            h, res = self.input_layernorm.fused(x, residual)
+            residual = x if res is None else res
+            h, residual = self.post_attention_layernorm.fused(self.self_attn(h, cos, sin, kv, meta), residual)
+            assert residual is not None
+            return self.mlp(h, fused=True), residual
+        residual = x if residual is None else x + residual
+        residual = residual + self.self_attn(self.input_layernorm(residual), cos, sin, kv, meta)
+        return self.mlp(self.post_attention_layernorm(residual)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -129,9 +150,12 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] of the flat batch (final norm applied)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
+        residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv, meta)
+        if meta.backend == "triton":
+            return self.norm.fused(x, residual)[0]
+        return self.norm(x if residual is None else x + residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits [N, vocab] on rank 0; None on other ranks."""
