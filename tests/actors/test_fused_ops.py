@@ -188,11 +188,11 @@ def test_gpu_check_times_the_decode_kernel_one_pass_and_split(tmp_path: Path) ->
     from tests.model_helpers import save_tiny_checkpoint
 
     runner = local_executor(save_tiny_checkpoint(tmp_path / "tiny", seed=2), attention="triton", block_size=4,
-                            dtype="float32").runner
+                            dtype="float32", max_num_blocks=4096).runner
     rows = _attention_rows(runner, dict(batches=(1, 2), contexts=(24, 600), repeats=1), bandwidth=1e9)
     assert [(r["batch"], r["context"]) for r in rows if r["splits"] == 1] == [(2, 600), (1, 600), (2, 24)]
-    split = [r for r in rows if r["splits"] > 1]
-    assert [r["splits"] for r in split] == [3, 3] and all(r["chosen"] and r["context"] == 600 for r in split)
+    split = [r for r in rows if r["splits"] > 1 and r["chosen"]]  # on a GPU, launch variants follow each
+    assert [(r["splits"], r["context"]) for r in split] == [(3, 600), (3, 600)]
     kvh, hd = runner.kv_caches[0][0].shape[2:]
     for r in rows:
         assert r["kv_bytes_per_s"] == pytest.approx(2 * r["batch"] * r["context"] * kvh * hd * 4 / r["ms"] * 1e3,
