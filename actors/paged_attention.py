@@ -45,7 +45,7 @@ PREFILL_ROWS = 64  # rows (token x group head) per prefill program
 # but for the block); benchmarks/gpu_check.py times alternatives on the GPU it runs on.
 DECODE_LAUNCH = {"BLOCK_KV": BLOCK_N, "num_warps": 4, "num_stages": 3}
 SPLIT_TOKENS = 256  # decode: KV positions per split (a multiple of BLOCK_N)
-MAX_SPLITS = 64  # decode: past this many, the splits grow instead
+MAX_SPLITS = 64  # decode: past this many, the splits grow instead (a power of two: the merge's tile)
 
 
 def _next_pow2(n: int) -> int:
@@ -125,11 +125,12 @@ def _paged_attention_kernel(  # pragma: no cover - compiled by Triton (tests run
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     if SPLIT:  # the split's unnormalized sum and its (max, denominator); _merge_splits_kernel combines them
-        # (an empty split, past the row's length, is never read)
+        # (a split past the row's length writes nothing: the merge never reads it)
         part_row = (seq * num_heads + head) * num_splits + split
-        tl.store(part_ptr + part_row[:, None] * HEAD_PAD + dims[None, :], acc, mask=row_ok[:, None])
-        tl.store(part_ml_ptr + part_row * 2, m_i, mask=row_ok)
-        tl.store(part_ml_ptr + part_row * 2 + 1, l_i, mask=row_ok)
+        written = row_ok & (kv_begin < seq_len)
+        tl.store(part_ptr + part_row[:, None] * HEAD_PAD + dims[None, :], acc, mask=written[:, None])
+        tl.store(part_ml_ptr + part_row * 2, m_i, mask=written)
+        tl.store(part_ml_ptr + part_row * 2 + 1, l_i, mask=written)
     else:
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
@@ -138,26 +139,23 @@ def _paged_attention_kernel(  # pragma: no cover - compiled by Triton (tests run
 
 def _merge_splits_kernel(  # pragma: no cover - compiled by Triton (tests run it interpreted)
         part_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, num_splits, split_share, num_heads, stride_ot, stride_oh,
-        HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
-    """One program per (sequence, query head): the row's non-empty splits, rescaled to their common
-    max one after another in split order, so the sum is the same whatever the table's width."""
+        HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """One program per (sequence, query head): the row's non-empty splits rescaled to their common max
+    and summed. The tile is always SPLITS_PAD (= MAX_SPLITS) rows, the splits past the row's length
+    masked to zero, so the reduction has the same shape, and the same bits, whatever the table's width."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     used = tl.cdiv(tl.load(seq_lens_ptr + seq), split_share)
+    splits = tl.arange(0, SPLITS_PAD)
+    ok = splits < used
+    rows = (seq * num_heads + head) * num_splits + splits
+    m = tl.load(part_ml_ptr + rows * 2, mask=ok, other=-1.0e38)
+    den = tl.load(part_ml_ptr + rows * 2 + 1, mask=ok, other=0.0)
+    weight = tl.where(ok, tl.exp(m - tl.max(m, 0)), 0.0)
     dims = tl.arange(0, HEAD_PAD)
-    first = (seq * num_heads + head) * num_splits
-    m = tl.load(part_ml_ptr + first * 2)
-    den = tl.load(part_ml_ptr + first * 2 + 1)
-    acc = tl.load(part_ptr + first * HEAD_PAD + dims)
-    for s in range(1, used):
-        m_s = tl.load(part_ml_ptr + (first + s) * 2)
-        m_new = tl.maximum(m, m_s)
-        alpha = tl.exp(m - m_new)
-        beta = tl.exp(m_s - m_new)
-        den = den * alpha + tl.load(part_ml_ptr + (first + s) * 2 + 1) * beta
-        acc = acc * alpha + tl.load(part_ptr + (first + s) * HEAD_PAD + dims) * beta
-        m = m_new
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, (acc / den).to(out_ptr.dtype.element_ty),
+    acc = tl.load(part_ptr + rows[:, None] * HEAD_PAD + dims[None, :], mask=ok[:, None], other=0.0)
+    total = tl.sum(acc * weight[:, None], 0) / tl.sum(den * weight, 0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, total.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)
 
 
@@ -260,7 +258,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: 
     if split:
         jitted(_merge_splits_kernel, q.device)[(tiles, heads)](
             part, part_ml, out, seq_lens, splits, share, heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad)
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS_PAD=MAX_SPLITS)
 
 
 def triton_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -3,7 +3,8 @@
 Owns: the measurements the profiler fits: per-layer non-attention ops vs tokens, per-layer
 attention (prefill chunks at a context, batched decodes at a context), and whole engine steps
 (`ModelRunner.execute` on synthesized StepPlans: prefill of one prompt, decode of a batch).
-Times are medians of repeats, with CUDA synchronisation on GPU.
+Times are medians of repeats: the per-layer sweeps time their ops' device work (replayed from a
+CUDA graph on GPU), the whole steps their wall time (ending on a device synchronisation).
 
 Must not import: ray, serve_app except the plan dataclasses.
 """
@@ -62,6 +63,34 @@ def timed(fn: Callable[[], object], repeats: int, device: torch.device) -> float
     return statistics.median(samples)
 
 
+def device_timed(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Median milliseconds of the device work of `fn`. On CUDA: `fn` captured once in a CUDA graph and
+    replayed between CUDA events, so a per-layer op sweep measures the device and not the Python
+    that launches its kernels one by one (the cost model's host terms are fitted on whole steps
+    instead); where capture fails, `timed`. Elsewhere: `timed`."""
+    if device.type != "cuda":
+        return timed(fn, repeats, device)
+    fn()  # warm-up: lazy initialisation and Triton's compilation stay outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError:  # pragma: no cover - an op that cannot be captured
+        return timed(fn, repeats, device)
+    graph.replay()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(samples)
+
+
 def linear_curve(runner: ModelRunner, sweep: Sweep) -> list[tuple[int, float]]:
     """Per-layer ms of everything but attention (norms, QKV, RoPE-free projections, MLP)."""
     layer = runner.model.layers[0]
@@ -85,7 +114,7 @@ def linear_curve(runner: ModelRunner, sweep: Sweep) -> list[tuple[int, float]]:
             layer.mlp(layer.post_attention_layernorm(h))
 
         with torch.inference_mode():
-            out.append((t, timed(ops, sweep.repeats, runner.device)))
+            out.append((t, device_timed(ops, sweep.repeats, runner.device)))
     return out
 
 
@@ -113,7 +142,7 @@ def _attention_ms(runner: ModelRunner, n: int, ctx: int, batch: int, repeats: in
         slots = tables[:, ctx // bs] * bs + ctx % bs
         meta = AttentionMetadata(slots, batch, tables, lens, backend=backend)
     with torch.inference_mode():
-        return timed(lambda: paged_attention(q, k, v, k_cache, v_cache, meta, attn.scale), repeats, dev)
+        return device_timed(lambda: paged_attention(q, k, v, k_cache, v_cache, meta, attn.scale), repeats, dev)
 
 
 Rows = list[tuple[int, int, float]]

@@ -136,7 +136,8 @@ def _decode_rows(runner: Any, maker: Any, cfg: dict[str, Any], weight_bytes: int
 def _attention_rows(runner: Any, cfg: dict[str, Any], bandwidth: float) -> list[dict[str, Any]]:
     """One layer's decode attention alone (the Triton kernel, no other op) at the largest batch and
     context and at batch 1: one pass over the KV (splits=1) against the split-KV launch the engine
-    picks, as KV bytes read per second against the copy bandwidth. CUDA events, median of repeats."""
+    picks, as KV bytes read per second against the copy bandwidth; on a GPU, other launch choices
+    too. Device time of graph replays, median of repeats."""
     import torch
 
     from actors.paged_attention import BLOCK_N, DECODE_LAUNCH, decode_splits, triton_decode
@@ -162,50 +163,69 @@ def _attention_rows(runner: Any, cfg: dict[str, Any], bandwidth: float) -> list[
             args = (q, k_cache, v_cache, tables, lens, attn.scale, out)
             ms = _event_ms(lambda args=args, s=share: triton_decode(*args, share=s), cfg["repeats"] * 3,
                            smoke=dev.type != "cuda")
-            rows.append({"batch": batch, "context": ctx, "splits": splits, "chosen": splits == auto,
+            rows.append({"batch": batch, "context": ctx, "splits": splits, "chosen": splits == auto, "variant": False,
                          "ms": round(ms, 4), "kv_bytes_per_s": round(kv_bytes / ms * 1e3),
                          "vs_copy_bandwidth": round(kv_bytes / ms * 1e3 / bandwidth, 3),
-                         "launch": dict(DECODE_LAUNCH)})
+                         "launch": {**DECODE_LAUNCH, "share": share}})
             if splits == auto and dev.type == "cuda":  # the engine's launch against other block/warp/stage choices
                 default = dict(DECODE_LAUNCH)
                 try:
                     for variant in LAUNCH_VARIANTS:
+                        variant = dict(variant)
+                        v_share = variant.pop("share", share)
                         DECODE_LAUNCH.update({**default, **variant})
-                        ms = _event_ms(lambda args=args, s=share: triton_decode(*args, share=s), cfg["repeats"] * 3,
+                        ms = _event_ms(lambda args=args, s=v_share: triton_decode(*args, share=s), cfg["repeats"] * 3,
                                        smoke=False)
-                        rows.append({"batch": batch, "context": ctx, "splits": splits, "chosen": False,
+                        rows.append({"batch": batch, "context": ctx, "splits": -(-width // v_share), "chosen": False,
+                                     "variant": True,
                                      "ms": round(ms, 4), "kv_bytes_per_s": round(kv_bytes / ms * 1e3),
                                      "vs_copy_bandwidth": round(kv_bytes / ms * 1e3 / bandwidth, 3),
-                                     "launch": dict(DECODE_LAUNCH)})
+                                     "launch": {**DECODE_LAUNCH, "share": v_share}})
                 finally:
                     DECODE_LAUNCH.clear()
                     DECODE_LAUNCH.update(default)
     return rows
 
 
-LAUNCH_VARIANTS = ({"num_stages": 2}, {"num_stages": 4}, {"num_warps": 8}, {"BLOCK_KV": 32, "num_stages": 4},
-                   {"BLOCK_KV": 128}, {"BLOCK_KV": 128, "num_warps": 8})
+LAUNCH_VARIANTS = ({"num_stages": 2}, {"num_stages": 4}, {"BLOCK_KV": 32, "num_stages": 4}, {"share": 512},
+                   {"share": 512, "num_stages": 4}, {"share": 1024}, {"share": 1024, "num_stages": 4})
 
 
 def _event_ms(fn: Any, repeats: int, smoke: bool) -> float:
-    """Median device milliseconds of fn (CUDA events; wall time in the smoke run)."""
+    """Median device milliseconds of fn: captured in a CUDA graph and replayed between CUDA events, so
+    a small launch's Python overhead is not counted (wall time in the smoke run)."""
     import torch
 
-    fn()
-    samples = []
-    for _ in range(repeats):
-        if smoke:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    from actors.profiler_sweeps import device_timed
+
+    return device_timed(fn, repeats, torch.device("cpu" if smoke else "cuda"))
+
+
+def _host_profile(runner: Any, maker: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Where an eager step's host time goes: cProfile over a few eager steps of one prompt of the
+    smallest prefill size (what every prefill step pays before its device work), the functions
+    with the most time of their own, per step."""
+    import cProfile
+    import pstats
+
+    n, steps = min(cfg["prefill"]), 3
+    runner.execute(maker.prefill([n], 0))  # warm-up
+    prof = cProfile.Profile()
+    wall = []
+    for _ in range(steps):
+        plan = maker.prefill([n], 0)
+        t0 = time.perf_counter()
+        prof.enable()
+        runner.execute(plan)
+        prof.disable()
+        wall.append(time.perf_counter() - t0)
+        runner.execute(maker.decode([], finished=list(plan.num_scheduled_tokens)))
+    stats = pstats.Stats(prof)
+    rows = sorted(((v[2], v[1], f"{Path(k[0]).name}:{k[1]}({k[2]})") for k, v in stats.stats.items()),  # type: ignore[attr-defined]
+                  reverse=True)[:15]
+    return {"prompt_tokens": n, "wall_ms_per_step": round(statistics.median(wall) * 1e3, 3),
+            "top_own_time": [{"function": name, "calls_per_step": calls // steps,
+                              "own_ms_per_step": round(own / steps * 1e3, 3)} for own, calls, name in rows]}
 
 
 def engine(out: Path, smoke: bool) -> dict[str, Any]:
@@ -238,6 +258,7 @@ def engine(out: Path, smoke: bool) -> dict[str, Any]:
             times.append(done.device_time_s)
         ms = statistics.median(times[1:]) * 1e3
         prefill.append({"tokens": n, "ms": round(ms, 4), "tokens_per_s": round(n / ms * 1e3, 1)})
+    host = _host_profile(runner, maker, cfg)
     mem = builder.memory
     result = {"model": cfg["model"], "device": torch.cuda.get_device_name() if not smoke else "cpu (smoke)",
               "dtype": str(runner.model.dtype), "attention": runner.attention_backend,
@@ -248,7 +269,7 @@ def engine(out: Path, smoke: bool) -> dict[str, Any]:
               "memory_profile": dataclasses.asdict(mem) if mem else None,
               "graph_pool_bytes_measured": runner.graphs.pool_bytes if runner.graphs else None,
               "graph_padding": runner.graphs.padding() if runner.graphs else None, "decode": decode, "prefill": prefill,
-              "attention_kernel": attention}
+              "attention_kernel": attention, "eager_host_profile": host}
     if torch.cuda.is_available() and not smoke:
         result["max_memory_allocated"] = torch.cuda.max_memory_allocated()
         result["total_memory"] = torch.cuda.get_device_properties(0).total_memory
@@ -317,6 +338,13 @@ def report(out: Path) -> str:
             lines += [f"| {r['batch']} | {r['context']} | {r['splits']}{' *' if r['chosen'] else ''} | "
                       f"{r.get('launch', '')} | {r['ms']} | {r['kv_bytes_per_s'] / 1e12:.3g} | "
                       f"{r['vs_copy_bandwidth']} |" for r in eng["attention_kernel"]]
+        if eng.get("eager_host_profile"):
+            h = eng["eager_host_profile"]
+            lines += ["", f"An eager prefill step of {h['prompt_tokens']} tokens: {h['wall_ms_per_step']} ms of wall "
+                      "time (cProfile on); the functions with the most time of their own, per step:", "",
+                      "| function | calls | own ms |", "|---|---|---|"]
+            lines += [f"| {r['function']} | {r['calls_per_step']} | {r['own_ms_per_step']} |"
+                      for r in h["top_own_time"]]
         big = [r for r in eng["decode"] if r["batch"] == 64 and r["context"] == 4096]
         best = min((r.get("graph_vs_bound", r["eager_vs_bound"]) for r in big), default=None)
         small = [r["graph_speedup"] for r in eng["decode"] if r["batch"] <= 8 and "graph_speedup" in r]

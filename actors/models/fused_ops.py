@@ -139,5 +139,6 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot
         half = head_dim // 2
         jitted(_rope_and_cache_kernel, qkv.device)[(t, num_heads + num_kv_heads)](
             qkv, cos, sin, slot_mapping, q, kc, vc, num_heads, num_kv_heads, qkv.stride(0), cos.stride(0),
-            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), HALF=half, HALF_PAD=_next_pow2(half))
+            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), HALF=half, HALF_PAD=_next_pow2(half),
+            enable_fp_fusion=False)  # no multiply-add contraction: each product rounds, as in PyTorch
     return q
