@@ -56,9 +56,10 @@ def _build_runner(cfg: dict[str, Any], tp: int, device: str, max_len: int, threa
     from actors.models import TPContext
     from actors.worker_setup import EngineSpec, WorkerBuilder
 
-    # The KV budget is profiled on the largest step this sweep sends (its largest decode batch).
+    # The KV budget is profiled on the largest step this sweep sends (its largest decode batch). Half
+    # the device is plenty of KV for the sweeps, and leaves room for their own graphs and activations.
     spec = EngineSpec(random_config=cfg, device=device, max_model_len=max_len, kv_cache_gb=0.5,
-                      gpu_memory_utilization=0.85, max_num_batched_tokens=min(max_len, 8192), torch_threads=threads,
+                      gpu_memory_utilization=0.5, max_num_batched_tokens=min(max_len, 8192), torch_threads=threads,
                       enforce_eager=not graph_batches, cuda_graph_buckets=tuple(graph_batches) or (1,),
                       cuda_graph_contexts=(graph_context,), max_batch_size=max_batch)
     builder = WorkerBuilder(spec, TPContext(0, tp, None, collectives=False))

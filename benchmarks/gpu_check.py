@@ -187,8 +187,8 @@ def _attention_rows(runner: Any, cfg: dict[str, Any], bandwidth: float) -> list[
     return rows
 
 
-LAUNCH_VARIANTS = ({"num_stages": 2}, {"num_stages": 4}, {"BLOCK_KV": 32, "num_stages": 4}, {"share": 512},
-                   {"share": 512, "num_stages": 4}, {"share": 1024}, {"share": 1024, "num_stages": 4})
+LAUNCH_VARIANTS = ({"num_stages": 3}, {"num_stages": 1}, {"BLOCK_KV": 32, "num_stages": 3}, {"share": 512},
+                   {"share": 1024}, {"num_warps": 8})
 
 
 def _event_ms(fn: Any, repeats: int, smoke: bool) -> float:

@@ -28,8 +28,9 @@ def kernels() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     attn = JITFunction(pa._paged_attention_kernel)
     for name, decode, split in (("decode", True, False), ("decode-split", True, True), ("prefill", False, False)):
         block_q = 1 if decode else pa.prefill_block_q(group)
+        block_kv = pa.DECODE_LAUNCH["BLOCK_KV"] if decode else pa.BLOCK_N
         cx = dict(GROUP=group, GROUP_PAD=group, HEAD_DIM=head_dim, HEAD_PAD=head_dim, BLOCK_Q=block_q,
-                  ROWS=max(16, block_q * group), BLOCK_KV=pa.BLOCK_N, DECODE=decode, SPLIT=split, IEEE=False)
+                  ROWS=max(16, block_q * group), BLOCK_KV=block_kv, DECODE=decode, SPLIT=split, IEEE=False)
         ints = "*i64" if decode else "*i32"
         types = {p.name: "*bf16" if p.name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr") else
                  "*fp32" if p.name in ("part_ptr", "part_ml_ptr") else ints if p.name.endswith("_ptr") else
@@ -62,9 +63,13 @@ def main() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
+    from actors import paged_attention as pa
+
     failed = 0
     for name, fn, signature, constexprs in kernels():
         options = {"enable_fp_fusion": False} if name == "rope and cache" else {}
+        if name.startswith("paged attention (decode"):
+            options = {k: v for k, v in pa.DECODE_LAUNCH.items() if k.startswith("num_")}
         try:
             k = compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
                         options=options)

@@ -203,5 +203,6 @@ def test_gpu_check_times_the_decode_kernel_one_pass_and_split(tmp_path: Path) ->
     assert [(r["splits"], r["context"], r["chosen"]) for r in split] == [(3, 600, True), (3, 600, True)]
     kvh, hd = runner.kv_caches[0][0].shape[2:]
     for r in rows:
+        # ms is rounded to 4 decimals: on a GPU that is up to 0.3% of a 0.02 ms launch
         assert r["kv_bytes_per_s"] == pytest.approx(2 * r["batch"] * r["context"] * kvh * hd * 4 / r["ms"] * 1e3,
-                                                    rel=1e-3)
+                                                    rel=1e-2)
