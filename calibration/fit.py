@@ -193,7 +193,7 @@ def fit_report(model: CostModel, points: list[data.MeasuredPoint]) -> dict[str, 
         rows.append({"kind": p.kind, "prompt": p.prompt, "batch": p.batch, "tokens": p.tokens,
                      "set": "held-out" if p.held_out else "train", "repeats": p.num_repeats,
                      "measured_ms": round(p.measured_ms, 3), "predicted_ms": round(pred, 3),
-                     "rel_error": round(pred / p.measured_ms - 1.0, 4)})
+                     "rel_error": round(pred / p.measured_ms - 1.0, 4), **({"graph": True} if p.graph else {})})
     train: list[float] = [abs(r["rel_error"]) for r in rows if r["set"] == "train"]
     test: list[float] = [abs(r["rel_error"]) for r in rows if r["set"] == "held-out"]
     lo, hi = LARGE_STEP_BRACKET

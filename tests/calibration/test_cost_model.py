@@ -167,3 +167,42 @@ def test_fit_reproduces_the_committed_coefficients() -> None:
             assert getattr(refit.coefficients, key) == pytest.approx(value, rel=1e-3, abs=1e-9), f"{name}.{key}"
         for a, b in zip(refit.fit["points"], committed.fit["points"], strict=True):
             assert a["predicted_ms"] == pytest.approx(b["predicted_ms"], rel=1e-3), f"{name} {a}"
+
+
+# ---- the profiled GPU model (tidal profile on an H200: benchmarks/gpu_check.sh) --------------------
+PROFILED = "h200-llama-3-8b-tp1-profiled"
+
+
+def test_profiled_model_reproduces_its_recorded_fit() -> None:
+    """The shipped YAML's error table is what the current form computes from its coefficients (its
+    decode points were replayed from CUDA graphs, padded to their own batch), and it met the goal."""
+    m = CostModel.load(PROFILED)
+    assert m.coefficients.graph_host_floor_ms is not None
+    assert len(m.fit["points"]) == 16 and m.fit["heldout_max_abs_rel_error"] <= GOAL
+    for row in m.fit["points"]:
+        graph = row["kind"] == "decode"
+        point = data.MeasuredPoint(row["kind"], row["prompt"], row["batch"], row["measured_ms"], row["repeats"],
+                                   row["set"] == "held-out", graph=graph)
+        predicted = m.step_time_s(*point.step_args()) * 1e3
+        assert predicted == pytest.approx(row["predicted_ms"], rel=1e-3), row
+        assert abs(predicted / row["measured_ms"] - 1) <= GOAL, row
+
+
+def test_graph_host_floor_applies_to_graph_steps_only() -> None:
+    m = CostModel.load(PROFILED)
+    eager, graph = m.step_time_s((), 1, 600, None), m.step_time_s((), 1, 600, 1)
+    assert graph < eager  # a replay pays no per-kernel launches
+    assert m.step_time_s(((128, 0),), 0, 0, None) > graph
+    d = m.to_dict()
+    without = CostModel.from_dict({**d, "coefficients": {k: v for k, v in d["coefficients"].items()
+                                                         if k != "graph_host_floor_ms"}})
+    assert without.coefficients.graph_host_floor_ms is None and "graph_host_floor_ms" not in without.to_dict()[
+        "coefficients"]
+    assert without.step_time_s((), 1, 600, 1) >= eager  # without it, a graph step pays the eager floor
+    for padded in (None, 64):  # monotone in the batch and the context, eager and replayed alike
+        times = [m.step_time_s((), b, 600 * b, padded and max(padded, b)) for b in range(1, 257, 5)]
+        assert times == sorted(times)
+        times = [m.step_time_s((), 8, c, padded) for c in range(0, 500_000, 25_000)]
+        assert times == sorted(times)
+    with pytest.raises(ValueError, match="graph_host_floor_ms"):
+        CostCoefficients.from_dict({**d["coefficients"], "graph_host_floor_ms": -1.0})
