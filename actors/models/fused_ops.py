@@ -8,8 +8,10 @@ Why: a decode step's matmuls read the weights once; everything else is dozens of
 layer in eager PyTorch (RMSNorm alone is eight: cast, square, mean, add, rsqrt, multiply, cast,
 scale), each a launch from Python and, inside a CUDA graph, still a few microseconds of device
 time. These three bring a Llama layer to about nine launches. Each kernel rounds where the
-eager PyTorch ops it replaces round, so the two paths agree bit for bit in float32 and to a
-rounding of bf16 (tests/actors/test_fused_ops.py runs them under Triton's interpreter on CPU).
+eager PyTorch ops it replaces round: RoPE and the K/V write give PyTorch's bits in float32 (RoPE
+is compiled without multiply-add contraction); the norm's sum and the SiLU's exponential differ
+from PyTorch's by float32 rounding; in bf16 each agrees within a rounding
+(tests/actors/test_fused_ops.py runs them under Triton's interpreter on CPU, compiled on a GPU).
 
 Used when the model runs with the Triton backend (actors/models/llama.py: `meta.backend ==
 "triton"`, CUDA with Triton); the portable path (CPU serving) keeps the PyTorch ops.
