@@ -45,6 +45,7 @@ PREFILL_ROWS = 64  # rows (token x group head) per prefill program
 # Triton's default three by 8-9% on an H200 at batch 1 and 64, 1k and 4k context (and 256-token
 # splits beat 512 and 1024 at batch 1): benchmarks/gpu_check.py times such alternatives.
 DECODE_LAUNCH = {"BLOCK_KV": BLOCK_N, "num_warps": 4, "num_stages": 2}
+PREFILL_LAUNCH = {"BLOCK_KV": BLOCK_N}  # Triton's default warps and stages
 SPLIT_TOKENS = 256  # decode: KV positions per split (a multiple of BLOCK_N)
 MAX_SPLITS = 64  # decode: past this many, the splits grow instead (a power of two: the merge's tile)
 
@@ -174,10 +175,6 @@ def jitted(fn: Any, device: torch.device) -> Any:
     return _JITTED[fn]
 
 
-def _kernel(device: torch.device) -> Any:
-    return jitted(_paged_attention_kernel, device)
-
-
 def decode_splits(width_tokens: int) -> tuple[int, int]:
     """(splits, tokens per split) of a decode launch whose tables span `width_tokens` (flash-decoding).
 
@@ -247,8 +244,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: 
         part_ml = torch.empty(tiles * heads * splits * 2, dtype=torch.float32, device=q.device)
     else:
         part = part_ml = q  # unused without SPLIT
-    launch = dict(DECODE_LAUNCH) if decode else {"BLOCK_KV": BLOCK_N}
-    _kernel(q.device)[(tiles, kv_heads, splits if split else 1)](
+    launch = DECODE_LAUNCH if decode else PREFILL_LAUNCH
+    jitted(_paged_attention_kernel, q.device)[(tiles, kv_heads, splits if split else 1)](
         q, k_cache, v_cache, out, tables, seq_lens, q_start, tile_seq, tile_q0, part, part_ml, splits, share, heads,
         scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

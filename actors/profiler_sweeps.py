@@ -23,6 +23,7 @@ from actors.model_runner import ModelRunner
 from actors.models.attention import AttentionMetadata, PrefillSpan, paged_attention
 from actors.paged_attention import build_prefill
 from tidal_core import SamplingParams
+from tidal_core.buckets import CudaGraphBuckets
 from tidal_core.plan import NewRequestData, StepPlan
 
 _GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
@@ -202,8 +203,7 @@ class _PlanMaker:
     def graph_bucket(self, batch: int) -> int | None:
         """The captured batch a decode of `batch` pads to, as the scheduler would; None: eager."""
         graphs = self.runner.graphs
-        fits = [b for b in (graphs.captured_batches if graphs is not None else ()) if b >= batch]
-        return min(fits) if fits else None
+        return CudaGraphBuckets(graphs.captured_batches if graphs is not None else ()).bucket_for(batch)
 
 
 def step_points(runner: ModelRunner, sweep: Sweep, vocab: int) -> list[tuple[str, int, int, float]]:

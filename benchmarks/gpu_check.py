@@ -141,6 +141,7 @@ def _attention_rows(runner: Any, cfg: dict[str, Any], bandwidth: float) -> list[
     import torch
 
     from actors.paged_attention import BLOCK_N, DECODE_LAUNCH, decode_splits, triton_decode
+    from actors.profiler_sweeps import device_timed
 
     if runner.attention_backend != "triton":
         return []
@@ -159,28 +160,24 @@ def _attention_rows(runner: Any, cfg: dict[str, Any], bandwidth: float) -> list[
         kv_bytes = 2 * batch * ctx * kvh * hd * k_cache.element_size()
         width = per_seq * bs
         auto, auto_share = decode_splits(width)
+        args = (q, k_cache, v_cache, tables, lens, attn.scale, out)
+
+        def row(share: int, chosen: bool, variant: bool, args: tuple = args, batch: int = batch, ctx: int = ctx,
+                width: int = width, kv_bytes: int = kv_bytes) -> dict[str, Any]:
+            ms = device_timed(lambda: triton_decode(*args, share=share), cfg["repeats"] * 3, dev)
+            return {"batch": batch, "context": ctx, "splits": -(-width // share), "chosen": chosen,
+                    "variant": variant, "ms": round(ms, 4), "kv_bytes_per_s": round(kv_bytes / ms * 1e3),
+                    "vs_copy_bandwidth": round(kv_bytes / ms * 1e3 / bandwidth, 3),
+                    "launch": {**DECODE_LAUNCH, "share": share}}
+
         for splits, share in sorted({(1, -(-width // BLOCK_N) * BLOCK_N), (auto, auto_share)}):
-            args = (q, k_cache, v_cache, tables, lens, attn.scale, out)
-            ms = _event_ms(lambda args=args, s=share: triton_decode(*args, share=s), cfg["repeats"] * 3,
-                           smoke=dev.type != "cuda")
-            rows.append({"batch": batch, "context": ctx, "splits": splits, "chosen": splits == auto, "variant": False,
-                         "ms": round(ms, 4), "kv_bytes_per_s": round(kv_bytes / ms * 1e3),
-                         "vs_copy_bandwidth": round(kv_bytes / ms * 1e3 / bandwidth, 3),
-                         "launch": {**DECODE_LAUNCH, "share": share}})
+            rows.append(row(share, splits == auto, False))
             if splits == auto and dev.type == "cuda":  # the engine's launch against other block/warp/stage choices
                 default = dict(DECODE_LAUNCH)
                 try:
                     for variant in LAUNCH_VARIANTS:
-                        variant = dict(variant)
-                        v_share = variant.pop("share", share)
-                        DECODE_LAUNCH.update({**default, **variant})
-                        ms = _event_ms(lambda args=args, s=v_share: triton_decode(*args, share=s), cfg["repeats"] * 3,
-                                       smoke=False)
-                        rows.append({"batch": batch, "context": ctx, "splits": -(-width // v_share), "chosen": False,
-                                     "variant": True,
-                                     "ms": round(ms, 4), "kv_bytes_per_s": round(kv_bytes / ms * 1e3),
-                                     "vs_copy_bandwidth": round(kv_bytes / ms * 1e3 / bandwidth, 3),
-                                     "launch": {**DECODE_LAUNCH, "share": v_share}})
+                        DECODE_LAUNCH.update({**default, **{k: v for k, v in variant.items() if k != "share"}})
+                        rows.append(row(variant.get("share", share), False, True))
                 finally:
                     DECODE_LAUNCH.clear()
                     DECODE_LAUNCH.update(default)
@@ -189,16 +186,6 @@ def _attention_rows(runner: Any, cfg: dict[str, Any], bandwidth: float) -> list[
 
 LAUNCH_VARIANTS = ({"num_stages": 3}, {"num_stages": 1}, {"BLOCK_KV": 32, "num_stages": 3}, {"share": 512},
                    {"share": 1024}, {"num_warps": 8})
-
-
-def _event_ms(fn: Any, repeats: int, smoke: bool) -> float:
-    """Median device milliseconds of fn: captured in a CUDA graph and replayed between CUDA events, so
-    a small launch's Python overhead is not counted (wall time in the smoke run)."""
-    import torch
-
-    from actors.profiler_sweeps import device_timed
-
-    return device_timed(fn, repeats, torch.device("cpu" if smoke else "cuda"))
 
 
 def _host_profile(runner: Any, maker: Any, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -159,11 +159,12 @@ class CostModel:
         if not self.include_host:
             return device
         r = k.overlap
-        if padded is not None and k.graph_host_floor is not None:  # a replayed graph: its own host floor
-            floor = k.graph_host_floor
-            overlapped: float = device + floor if r == 1.0 else (floor ** r + device ** r) ** k.inv_overlap
+        # a replayed graph (a padded step) has its own host floor: host_floor unless the model sets one
+        if r == 1.0:
+            overlapped: float = device + (k.graph_host_floor if padded is not None else k.host_floor)
         else:
-            overlapped = device + k.host_floor if r == 1.0 else (k.host_floor_r + device ** r) ** k.inv_overlap
+            floor_r = k.graph_host_floor_r if padded is not None else k.host_floor_r
+            overlapped = (floor_r + device ** r) ** k.inv_overlap
         t = overlapped + k.step + k.per_seq * (num_chunks + num_decode) + k.decode_ctx * decode_ctx
         return t + k.prefill_step if prefill else t
 
@@ -245,9 +246,9 @@ class _Precomputed:
     """The coefficients in seconds, per step, with the exponents the hot path needs."""
 
     __slots__ = ("ar_floor_p", "ar_inv_p", "ar_p", "ar_slope", "attn_decode", "attn_pair", "attn_token",
-                 "decode_ctx", "gain", "graph_host_floor", "host_floor", "host_floor_r", "inv_overlap", "knee",
-                 "lin_floor_p", "lin_inv_p", "lin_p", "lin_slope", "overlap", "per_seq", "prefill_step", "sharpness",
-                 "step")
+                 "decode_ctx", "gain", "graph_host_floor", "graph_host_floor_r", "host_floor", "host_floor_r",
+                 "inv_overlap", "knee", "lin_floor_p", "lin_inv_p", "lin_p", "lin_slope", "overlap", "per_seq",
+                 "prefill_step", "sharpness", "step")
 
     def __init__(self, c: CostCoefficients) -> None:
         ms = 1e-3
@@ -267,7 +268,8 @@ class _Precomputed:
         self.attn_token: float = c.attn_prefill_ms_per_token * ms
         self.attn_decode: float = c.attn_decode_ms_per_token * ms
         self.host_floor: float = c.host_floor_ms * ms
-        self.graph_host_floor: float | None = None if c.graph_host_floor_ms is None else c.graph_host_floor_ms * ms
+        self.graph_host_floor: float = self.host_floor if c.graph_host_floor_ms is None else c.graph_host_floor_ms * ms
+        self.graph_host_floor_r: float = self.graph_host_floor ** c.host_overlap
         self.overlap: float = c.host_overlap
         self.inv_overlap: float = 1.0 / c.host_overlap
         self.host_floor_r: float = self.host_floor ** self.overlap
