@@ -65,10 +65,12 @@ def _latency(t: Targets) -> list[Panel]:
            "s", lines=tpot_lines),
         ts("End-to-end latency", "p50 and p99 from arrival to the last token, completed requests.",
            _quantiles(M.E2E, "E2E"), "s", width=8),
-        ts("Queue time and predicted delay", "p50/p99 of arrival-to-admission, and the largest predicted "
-           "queueing delay of a new arrival (what admission control compares with the TTFT target).",
+        ts("Queue time and predicted delay", "p50/p99 of arrival-to-admission, the largest predicted "
+           "queueing delay of a new arrival, and the limit admission control compares a prediction with "
+           "(the TTFT target times the regime's burst factor and the learned admission aim).",
            [*_quantiles(M.QUEUE_TIME, "queue"),
             Target(Q.gauge(M.QUEUE_DELAY, group=()), "predicted delay (max unit)"),
+            Target(Q.gauge(M.ADMISSION_LIMIT, group=()), "admission limit (max unit)"),
             Target(Q.quantile(M.FRONT_DELAY, 0.99, match=""), "proxy to ingress p99")], "s",
            lines=(t.ttft_s,), width=8),
         stat_panel("Requests within the TTFT target", f"Fraction of requests whose first token came within "

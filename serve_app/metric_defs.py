@@ -76,6 +76,9 @@ LOAD = MetricDef("tidal_load", "gauge", "Utilisation estimate: arrival rate over
 CAPACITY = MetricDef("tidal_capacity_rps", "gauge", "Measured service capacity of the unit, requests/s")
 QUEUE_DELAY = MetricDef("tidal_predicted_queue_delay_seconds", "gauge",
                         "Predicted queueing delay of a new arrival (prefill backlog drain time)")
+ADMISSION_LIMIT = MetricDef("tidal_admission_ttft_limit_seconds", "gauge",
+                            "Predicted TTFT past which the unit refuses a request with work ahead: the regime's "
+                            "limit times the learned admission aim (0: never refuses for TTFT)")
 MEASURED_TPOT = MetricDef("tidal_measured_tpot_seconds", "gauge",
                           "Recent mean time per output token the unit measured (0: no decodes lately); the "
                           "autoscaler's hot-unit signal")
@@ -138,8 +141,8 @@ AUTH_FAILURES = MetricDef("tidal_auth_failures", "counter",
 
 ALL_METRICS: tuple[MetricDef, ...] = (
     TTFT, ITL, E2E, QUEUE_TIME, FRONT_DELAY, MICROWAIT, BATCH_SIZE, STEP_TIME, TTFT_PREDICTION,
-    RUNNING, WAITING, KV_USAGE, REGIME, LOAD, CAPACITY, QUEUE_DELAY, MEASURED_TPOT, PADDING_WASTE, UNITS_DESIRED,
-    UNITS_DEMAND, BATCH_WAITING, BATCH_BACKLOG_TOKENS, BATCH_RUNNING,
+    RUNNING, WAITING, KV_USAGE, REGIME, LOAD, CAPACITY, QUEUE_DELAY, ADMISSION_LIMIT, MEASURED_TPOT, PADDING_WASTE,
+    UNITS_DESIRED, UNITS_DEMAND, BATCH_WAITING, BATCH_BACKLOG_TOKENS, BATCH_RUNNING,
     DISPATCHES, REJECTIONS, FRONT_REFUSALS, PREEMPTIONS, FINISHED, PROMPT_TOKENS, GENERATION_TOKENS, ARRIVALS,
     ENGINE_ERRORS,
     PREFIX_QUERIED_TOKENS, PREFIX_HIT_TOKENS, PREFIX_QUERIED_REQUESTS, PREFIX_HIT_REQUESTS,

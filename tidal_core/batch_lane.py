@@ -160,7 +160,7 @@ class BatchLane:
         with its batch work and without it (`delay_s`)."""
         q = self.queues
         if q.num_batch_running:
-            batch_decodes = q.num_batch_running - sum(r.is_batch for r in q.prefilling.values())
+            batch_decodes = q.num_batch_decoding()
             self._step = (batch_tokens, batch_decodes)
             own_tokens, own_decodes = prefill_tokens - batch_tokens, num_decodes - batch_decodes
             own_s = svc.step_time(own_tokens, own_decodes) if own_tokens or own_decodes else 0.0

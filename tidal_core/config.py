@@ -113,6 +113,15 @@ class AdmissionConfig:
     getting a 429 (the KV pool is fixed at start and the scheduler never admits past it, so
     queueing costs latency, not memory).
 
+    The TTFT limit is learned (`aim_gain` > 0): admission refuses a request with work ahead
+    when its prediction exceeds `aim` x the limit, and `aim` (a fraction, from `aim_start`)
+    moves with each first token of a request admitted with work ahead: down by `aim_gain` x
+    (1 - `aim_tail`) when it missed `target_ttft_s`, up by `aim_gain` x `aim_tail` when it made
+    it, within [`aim_floor`, 1]. It settles where about `aim_tail` of those requests miss: a
+    prediction calibrated at its median misses half the requests admitted right at the target
+    (every one of them in a burst), so the aim keeps the queue where the prediction's spread
+    still fits (core/admission.py `TtftAim`).
+
     Two plain caps apply whether or not `enabled` is set (the baselines users run):
     `max_concurrent_requests` on requests in the unit (TGI's limit) and `max_queued_requests`
     on requests waiting (Ray Serve's); None is no cap.
@@ -129,6 +138,10 @@ class AdmissionConfig:
     max_retry_after_s: float = 60.0
     max_concurrent_requests: int | None = None
     max_queued_requests: int | None = None
+    aim_start: float = 1.0
+    aim_gain: float = 0.02
+    aim_tail: float = 0.05
+    aim_floor: float = 0.5
 
     def __post_init__(self) -> None:
         _require(self.mode in ADMISSION_MODES,
@@ -141,6 +154,12 @@ class AdmissionConfig:
         _require(self.max_queue_len >= 1, f"admission.max_queue_len={self.max_queue_len} must be >= 1")
         _require(self.target_ttft_s > 0.0, f"admission.target_ttft_s={self.target_ttft_s} must be > 0")
         _require(self.burst_factor >= 1.0, f"admission.burst_factor={self.burst_factor} must be >= 1")
+        _require(0.0 <= self.aim_gain <= 0.2,
+                 f"admission.aim_gain={self.aim_gain} must be in [0, 0.2] (0: the aim stays at aim_start)")
+        _require(0.0 < self.aim_tail < 0.5, f"admission.aim_tail={self.aim_tail} must be in (0, 0.5)")
+        _require(0.1 <= self.aim_floor <= 1.0, f"admission.aim_floor={self.aim_floor} must be in [0.1, 1]")
+        _require(self.aim_floor <= self.aim_start <= 1.0,
+                 f"admission.aim_start={self.aim_start} must be in [aim_floor={self.aim_floor}, 1]")
         _require(self.target_tpot_s is None or self.target_tpot_s > 0.0,
                  f"admission.target_tpot_s={self.target_tpot_s} must be None (off) or > 0")
         _require(0.0 < self.kv_reject_usage <= 1.0,

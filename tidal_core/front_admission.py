@@ -17,8 +17,9 @@ request let through:
   since the snapshot (the unit drains while the snapshot ages), plus the prefill of the requests
   the front end let through since (`pending_s`: in a burst, hundreds arrive before any verdict
   comes back), plus the time this request already waited, plus its own prefill (its estimated prompt
-  tokens x the unit's published `prefill_s_per_token`), exceeds the regime's limit
-  (`target_ttft_s` in OVERLOAD, `burst_factor` x it otherwise);
+  tokens x the unit's published `prefill_s_per_token`), exceeds the unit's published limit
+  (`target_ttft_s` in OVERLOAD, `burst_factor` x it otherwise, times the unit's learned
+  admission aim: core/admission.py `TtftAim`);
 - `kv_pressure`: KV usage was at `kv_reject_usage` with requests waiting for room.
 
 A snapshot older than `max_age_s` (5 s) is not believed (no verdict); a younger one is aged: its
@@ -42,6 +43,7 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from tidal_core.admission import regime_limit_s
 from tidal_core.config import AdmissionConfig
 from tidal_core.regime import Regime
 from tidal_core.scheduler import Scheduler
@@ -52,11 +54,10 @@ _PROBE_TOKENS = 1024
 
 
 def ttft_limit_s(cfg: AdmissionConfig, regime: Regime) -> float:
-    """The predicted TTFT past which a unit refuses a request with work ahead (`prefill_backlog`);
-    0 where it never does (admission off, or "protect" mode)."""
-    if not cfg.enabled or cfg.mode == "protect":
-        return 0.0
-    return cfg.target_ttft_s if regime is Regime.OVERLOAD else cfg.burst_factor * cfg.target_ttft_s
+    """The predicted TTFT past which a unit with this config refuses a request with work ahead
+    (`prefill_backlog`) before it learned an aim (at `aim_start`); 0 where it never does
+    (admission off, or "protect" mode). A snapshot carries the unit's learned one."""
+    return regime_limit_s(cfg, regime) * cfg.aim_start
 
 
 def published_load(sched: Scheduler, now: float, unit_id: str = "") -> UnitLoad:
@@ -66,7 +67,7 @@ def published_load(sched: Scheduler, now: float, unit_id: str = "") -> UnitLoad:
     with_prompt = sched.predicted_queue_delay_s(now, _PROBE_TOKENS)
     return dataclasses.replace(snap, prefill_s_per_token=max(0.0, with_prompt - snap.queue_delay_s) / _PROBE_TOKENS,
                                num_arrived=sched.stats.num_arrived,
-                               ttft_limit_s=ttft_limit_s(sched.config.admission, snap.regime))
+                               ttft_limit_s=sched.admission.limit_s(snap.regime))
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +133,8 @@ class FrontAdmission:
         # Work ahead (ahead_s > 0) is what makes the unit refuse at all: with none, it would start
         # the request at once, however long its prompt.
         ttft = waited_s + ahead_s + max(0, prompt_tokens) * load.prefill_s_per_token
-        limit = ttft_limit_s(cfg, load.regime)
+        # The unit's own limit, its learned aim included, when the snapshot says; else the config's.
+        limit = load.ttft_limit_s if load.ttft_limit_s > 0.0 else ttft_limit_s(cfg, load.regime)
         if ahead_s > 0.0 and ttft > limit:
             return self._refuse(load, "prefill_backlog", ttft - cfg.target_ttft_s,
                                 f"predicted time to first token {ttft:.2f}s exceeds the "

@@ -29,6 +29,8 @@ from tidal_core.config import ServicePrior
 
 _P_SCALE = 1000.0  # prefill tokens are fitted per 1000 and decode seqs per 100, for conditioning
 _D_SCALE = 100.0
+_DRAIN_PARTS = 8  # shares of a backlog `ServiceModel.drain_time` integrates over
+_MIN_STEP_TOKENS = 16.0  # a step holds at least this much prompt beside its decodes (one block)
 
 
 class RateEstimator:
@@ -131,14 +133,29 @@ class ServiceModel:
         self._p = (p00, p01, p02, p03, p11, p12, p13, p22, p23, p33)
         self.num_observations += 1
 
-    def drain_time(self, prefill_tokens: int, decode_seqs: int, prefill_tokens_per_step: int) -> float:
-        """Seconds to prefill `prefill_tokens` while `decode_seqs` decodes share each step."""
+    def drain_time(self, prefill_tokens: int, decodes_now: int, decodes_after: int, budget: int,
+                   aim_s: float | None = None) -> float:
+        """Seconds to prefill `prefill_tokens` while the decodes sharing each step grow from
+        `decodes_now` to `decodes_after` (each prompt that finishes starts decoding), in steps of
+        at most `budget` tokens, decodes included, and, with `aim_s` (the step sizer's TPOT aim),
+        no longer than the aim. Integrated over `_DRAIN_PARTS` equal shares of the tokens, each at
+        the decode count of its middle: a share's tokens cost their own time plus their part of
+        a step's fixed cost, which is spread over fewer tokens as the decodes take the step."""
         if prefill_tokens <= 0:
             return 0.0
-        per_step = max(1, prefill_tokens_per_step)
-        steps = -(-prefill_tokens // per_step)
-        per_step_s = self.overhead_s + self.prefill_step_s + self.decode_s_per_seq * decode_seqs
-        return steps * per_step_s + self.prefill_s_per_token * prefill_tokens
+        oh, fixed, ppt, dps = self.overhead_s, self.prefill_step_s, self.prefill_s_per_token, self.decode_s_per_seq
+        grow, total = (decodes_after - decodes_now) / _DRAIN_PARTS, 0.0
+        for k in range(_DRAIN_PARTS):
+            d = decodes_now + grow * (k + 0.5)
+            per_step = budget - d
+            if aim_s is not None:
+                fits = (aim_s - oh - fixed - dps * d) / ppt  # prompt tokens a step at the aim holds
+                if fits < per_step:
+                    per_step = fits
+            if per_step < _MIN_STEP_TOKENS:
+                per_step = _MIN_STEP_TOKENS
+            total += (oh + fixed + dps * d) / per_step + ppt
+        return total * prefill_tokens / _DRAIN_PARTS
 
 
 class PrefillThroughput:

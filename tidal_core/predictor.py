@@ -9,9 +9,16 @@ Owns: `TtftPredictor`, the one prediction admission control, the regime detector
   (core/batch_lane.py, `BatchLane.delay_s`; 0 without the batch class): an additive wait that
   comes and goes with the trough's batch work, which a learned ratio cannot follow;
 - `prefill_s`: draining the prefill backlog (waiting prompts, unfinished chunks and, for a
-  request's own TTFT, its prompt) at the prefill speed measured while prompts were queued
-  (`PrefillThroughput`); before there is such a measurement, the fitted step model with the
-  decodes sharing each step and `per_step_tokens` of prefill per step;
+  request's own TTFT, its prompt), the larger of two estimates: the fitted step model
+  (`ServiceModel.drain_time`) with the decodes sharing each step growing by one for every
+  prompt that finishes ahead of the new one (up to the running cap), in steps no longer than
+  the step sizer's TPOT aim; and the backlog at the prefill speed measured while prompts were
+  queued (`PrefillThroughput`). The measured speed is that of the decode mix it was measured
+  with: at a burst's onset the decodes grow from a handful to dozens within a second, each
+  prompt admitted ahead of a request takes part of every step its prefill shares, and a speed
+  measured a moment ago predicted admitted requests' first tokens 25-50% early (the first
+  tokens came at 1.2-1.5 s against a 1 s target; benchmarks/RESULTS.md, "Bursts: the
+  prediction at a burst's onset");
 - `slot_s`: when the running batch is at its cap, waiting for enough running requests to
   finish, at the measured completion rate (the capacity estimate before any finish);
 - `correction`: the measured/predicted ratio of recent first tokens (`PredictionCorrection`),
@@ -27,35 +34,42 @@ Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall cl
 
 from __future__ import annotations
 
+from tidal_core.admission import TtftAim
 from tidal_core.load import LoadEstimator
 from tidal_core.request import Request
 
 
 class TtftPredictor:
-    __slots__ = ("load", "num_observed", "ratio_sum")
+    __slots__ = ("aim", "load", "num_observed", "ratio_sum")
 
-    def __init__(self, load: LoadEstimator) -> None:
+    def __init__(self, load: LoadEstimator, aim: TtftAim | None = None) -> None:
         self.load = load
+        self.aim = aim  # admission's learned aim, fed by the first tokens of what it judged
         self.num_observed = 0
         self.ratio_sum = 0.0
 
-    def predict(self, now: float, backlog_tokens: int, num_decodes: int, slots_short: int, per_step_tokens: int,
-                corrected: bool = True, batch_s: float = 0.0) -> float:
-        """Seconds until `backlog_tokens` of prompts are computed, plus the wait for a batch slot
-        when `slots_short` requests more than the free room must leave the running batch first,
-        plus `batch_s`, what batch-class work in the step in flight adds before the next step."""
+    def predict(self, now: float, backlog_tokens: int, num_decodes: int, slots_short: int, budget: int,
+                corrected: bool = True, batch_s: float = 0.0, decodes_after: int | None = None,
+                aim_s: float | None = None) -> float:
+        """Seconds until `backlog_tokens` of prompts are computed (while the `num_decodes`
+        decodes grow to `decodes_after`, in steps of at most `budget` tokens and, with `aim_s`, no
+        longer than the step sizer's aim), plus the wait for a batch slot when `slots_short`
+        requests more than the free room must leave the running batch first, plus `batch_s`,
+        what batch-class work in the step in flight adds before the next step."""
         load = self.load
+        after = num_decodes if decodes_after is None else decodes_after
+        prefill_s = load.service.drain_time(backlog_tokens, num_decodes, after, budget, aim_s)
         measured = load.prefill.rate(now)
-        if measured is not None:
+        if measured is not None and backlog_tokens / measured > prefill_s:
             prefill_s = backlog_tokens / measured
-        else:
-            prefill_s = load.service.drain_time(backlog_tokens, num_decodes, max(1, per_step_tokens))
         slot_s = slots_short / load.departure_rate(now) if slots_short > 0 else 0.0
         return (batch_s + prefill_s + slot_s) * (load.ttft_correction.factor(now) if corrected else 1.0)
 
     def on_first_token(self, req: Request, now: float) -> None:
         """`req` got its first token at `now`: stamp it, with the prediction's error."""
         req.first_token_s = now
+        if req.admitted_ahead and self.aim is not None:
+            self.aim.observe(now - req.arrival_s)
         if req.raw_predicted_ttft_s is not None:
             req.ttft_prediction_ratio = self.observe(now, req.raw_predicted_ttft_s, req.predicted_ttft_s,
                                                      now - req.arrival_s)

@@ -63,6 +63,12 @@ class UnitQueues:
         oldest = next((r.arrival_s for r in self.prefilling.values() if not r.is_batch), math.inf)
         return min(oldest, self.waiting[0].arrival_s) if self.waiting else oldest
 
+    def num_batch_decoding(self) -> int:
+        """Batch requests decoding (0 with none running)."""
+        if not self.num_batch_running:
+            return 0
+        return self.num_batch_running - sum(r.is_batch for r in self.prefilling.values())
+
     def batch_kv_usage(self) -> float:
         """The share of the KV pool running batch requests hold (0 with none)."""
         if not self.num_batch_running:

@@ -101,6 +101,7 @@ class Request:
     """
 
     __slots__ = (
+        "admitted_ahead",
         "admitted_s",
         "arrival_s",
         "block_hashes",
@@ -174,6 +175,7 @@ class Request:
         self.predicted_ttft_s: float | None = None
         self.raw_predicted_ttft_s: float | None = None
         self.ttft_prediction_ratio: float | None = None
+        self.admitted_ahead = False  # admitted with work ahead: admission's TTFT rule judged it
 
     @property
     def num_tokens(self) -> int:

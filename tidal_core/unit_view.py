@@ -54,12 +54,21 @@ class UnitView:
     def predicted_queue_delay_s(self, now: float, own_prompt_tokens: int = 0, corrected: bool = True) -> float:
         """Time before a request arriving now would start its prefill (with `own_prompt_tokens`:
         would finish it, i.e. its predicted TTFT). See core/predictor.py."""
-        q = self.queues
+        q, limits = self.queues, self.limits
         n_dec = len(q.decodes.reqs)
-        slots_short = len(q.waiting) + 1 - (self.limits.running_cap - q.num_running + q.num_batch_running)
+        slots_short = len(q.waiting) + 1 - (limits.running_cap - q.num_running + q.num_batch_running)
+        # The interactive decodes share the steps that drain the backlog (batch decodes yield to
+        # waiting interactive prompts; their step in flight is `lane.delay_s`), and every prompt
+        # queued or prefilling (and the new one) starts decoding when it finishes, up to the
+        # running cap: those steps hold more decodes as the backlog drains.
+        n_dec -= q.num_batch_decoding()
+        after = n_dec + len(q.waiting) + len(q.prefilling) + (1 if own_prompt_tokens else 0)
+        cap = limits.running_cap if limits.running_cap > n_dec else n_dec
+        sizer = limits.sizer
         return self.predictor.predict(now, self.backlog_prefill_tokens() + own_prompt_tokens, n_dec, slots_short,
-                                      self._max_tokens - n_dec, corrected,
-                                      self.lane.delay_s(now) if self.lane is not None else 0.0)
+                                      self._max_tokens, corrected,
+                                      self.lane.delay_s(now) if self.lane is not None else 0.0,
+                                      after if after < cap else cap, sizer.aim_s if sizer is not None else None)
 
     def unit_state(self, now: float, req: Request, queue_delay_s: float | None = None) -> UnitState:
         """What admission sees for `req`; its predicted TTFT is the client's: time spent before the

@@ -76,19 +76,26 @@ def test_queue_cap_rejects_with_retry_after() -> None:
 
 
 def _admitted_by_formula(limit_s: float, prompt: int = 100, per_token_s: float = 0.001, step_s: float = 0.05,
-                         budget: int = 512) -> int:
+                         decode_s: float = 0.001, budget: int = 512) -> int:
     """How many equal prompts a cold unit admits: the k-th is admitted while prefilling the k
-    prompts up to and including it is predicted within the limit (the first always is)."""
+    prompts up to and including it is predicted within the limit (the first always is). Each
+    token costs its own time plus its share of a step's fixed cost; the steps hold more decodes
+    as the prompts ahead finish (from none to one per prompt, the new one included), averaged
+    over eight equal shares of the tokens."""
+    def predicted(n: int) -> float:
+        mids = [n * (j + 0.5) / 8 for j in range(8)]
+        return n * prompt * sum((step_s + decode_s * d) / (budget - d) + per_token_s for d in mids) / 8
+
     k = 1
-    while (k + 1) * prompt * per_token_s + -(-(k + 1) * prompt // budget) * step_s <= limit_s:
+    while predicted(k + 1) <= limit_s:
         k += 1
     return k
 
 
 @pytest.mark.parametrize("burst_factor", [1.0, 2.0])
 def test_prefill_backlog_cap_is_target_ttft_times_prefill_speed(burst_factor: float) -> None:
-    # 1 ms per prefill token + 50 ms per step of 512 tokens, no running decodes, a batch large
-    # enough that no slot wait applies: the cap is about target x prefill speed. Outside
+    # 1 ms per prefill token + 50 ms per step of 512 tokens (+1 ms per decode beside it), a batch
+    # large enough that no slot wait applies: the cap is about target x prefill speed. Outside
     # OVERLOAD a burst may queue up to burst_factor x the target before refusals start.
     s = _loaded_scheduler(max_batch_size=64, target_ttft_s=1.0, max_queue_len=1000, burst_factor=burst_factor)
     admitted = sum(s.add_request(Request(f"r{i}", 100, SamplingParams(), 0.0), 0.0) is None for i in range(100))

@@ -19,7 +19,7 @@ def test_nested_and_top_level_fields_take_typed_values() -> None:
 
 
 @pytest.mark.parametrize(("pairs", "message"), [
-    (["admission.bogus=1"], "AdmissionConfig has no field 'bogus'; known: burst_factor"),
+    (["admission.bogus=1"], "AdmissionConfig has no field 'bogus'; known: aim_floor, aim_gain"),
     (["bogus=1"], "SchedulerConfig has no field 'bogus'"),
     (["max_num_batched_tokens=lots"], "expected int"),
     (["admission=1"], "'admission' is a group"),

@@ -1,4 +1,5 @@
-"""The TTFT predictor on its own: the backlog at the measured prefill speed, batch slots, its error."""
+"""The TTFT predictor on its own: the step model draining the backlog as decodes grow, the measured
+prefill speed, batch slots, its error."""
 
 from __future__ import annotations
 
@@ -17,16 +18,49 @@ def _predictor() -> TtftPredictor:
 
 def test_before_any_measurement_the_step_model_drains_the_backlog() -> None:
     p = _predictor()
-    # 2000 tokens at 1000 per step with 4 decodes: 2 steps x 24 ms + 0.2 s of prefill
-    assert p.predict(0.0, 2000, 4, 0, 1000) == pytest.approx(2 * 0.024 + 0.2)
+    # 2000 tokens in steps of 1000 less the 4 decodes: each token pays 0.1 ms and its share of a
+    # step's fixed 24 ms (20 ms + 4 decodes x 1 ms) spread over the step's 996 prompt tokens
+    assert p.predict(0.0, 2000, 4, 0, 1000) == pytest.approx(2000 * (0.024 / 996 + 0.0001))
     assert p.predict(0.0, 0, 4, 0, 1000) == 0.0
 
 
-def test_a_measured_prefill_speed_replaces_the_model() -> None:
+def _integral(tokens: int, d0: float, d1: float, budget: int, aim_s: float | None = None) -> float:
+    """The same drain, integrated finely: the step holds more decodes as the backlog drains."""
+    n, total = 10_000, 0.0
+    for j in range(n):
+        d = d0 + (d1 - d0) * (j + 0.5) / n
+        per_step = budget - d if aim_s is None else min(budget - d, (aim_s - 0.020 - 0.001 * d) / 0.0001)
+        total += (0.020 + 0.001 * d) / per_step + 0.0001
+    return tokens * total / n
+
+
+def test_the_decodes_the_backlog_will_start_slow_its_drain() -> None:
+    p = _predictor()
+    # 40 prompts ahead will each start decoding when their prefill finishes: the later steps
+    # hold up to 44 decodes, each costing 1 ms of every step, with fewer prompt tokens beside them.
+    steady = p.predict(0.0, 8000, 4, 0, 1000)
+    growing = p.predict(0.0, 8000, 4, 0, 1000, decodes_after=44)
+    assert growing > steady
+    assert growing == pytest.approx(_integral(8000, 4, 44, 1000), rel=0.01)
+
+
+def test_under_the_step_sizer_a_step_holds_what_fits_its_aim() -> None:
+    p = _predictor()
+    # A 50 ms aim with 4 decodes leaves (50 - 20 - 4) ms for prompt tokens: 260 a step, not 996.
+    assert p.predict(0.0, 2000, 4, 0, 1000, aim_s=0.05) == pytest.approx(2000 * (0.024 / 260 + 0.0001))
+    assert p.predict(0.0, 2000, 4, 0, 1000, decodes_after=20, aim_s=0.05) == pytest.approx(
+        _integral(2000, 4, 20, 1000, aim_s=0.05), rel=0.01)
+
+
+def test_a_measured_prefill_speed_counts_when_it_is_slower_than_the_model() -> None:
     p = _predictor()
     for i in range(20):  # 5000 tokens/s measured while prompts were queued
         p.load.prefill.on_step(0.1 * (i + 1), 0.1, 500)
-    assert p.predict(2.0, 1000, 4, 0, 1000) == pytest.approx(0.2)
+    assert p.predict(2.0, 1000, 4, 0, 1000) == pytest.approx(0.2)  # the model says 0.124 s
+    fast = _predictor()
+    for i in range(20):  # 50,000 tokens/s: measured with fewer decodes than the steps ahead will hold
+        fast.load.prefill.on_step(0.1 * (i + 1), 0.1, 5000)
+    assert fast.predict(2.0, 1000, 4, 0, 1000) == pytest.approx(1000 * (0.024 / 996 + 0.0001))
 
 
 def test_a_full_batch_adds_the_wait_for_slots() -> None:
@@ -72,7 +106,7 @@ def test_a_stale_prefill_measurement_falls_back_to_the_model() -> None:
     p = _predictor()
     for i in range(20):  # 5000 tokens/s measured, far faster than the model's 1000 per 0.124 s
         p.load.prefill.on_step(0.1 * (i + 1), 0.1, 500)
-    model = 0.024 + 0.1  # one step of 1000 tokens beside 4 decodes
+    model = 1000 * (0.024 / 996 + 0.0001)  # 1000 tokens in steps of 996 beside 4 decodes
     assert p.predict(2.0, 1000, 4, 0, 1000) == pytest.approx(0.2)
     assert p.predict(2.0 + 31.0, 1000, 4, 0, 1000) == pytest.approx(model)  # older than 3 x tau (10 s)
 
