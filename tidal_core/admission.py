@@ -21,11 +21,12 @@ admitted with work ahead, the ones this rule judged: a miss of `target_ttft_s` l
 `aim_gain` x (1 - `aim_tail`), a first token in time raises it by `aim_gain` x `aim_tail`,
 within [`aim_floor`, 1]. The prediction is calibrated at its median (`PredictionCorrection`),
 so admitting up to the target itself would let about half of the requests admitted near it
-miss, and in a burst every admitted request is near it: the queue sits at the limit. Measured
-on the simulator, a 400-request burst in 2 s on one A100 70B unit: 37-78% of the admitted
-within 1 s at the target itself against 84-100% at 0.75-0.85 of it, about as many admitted
-(benchmarks/RESULTS.md, "The admission aim"). The aim settles where about `aim_tail` of the
-judged requests miss, so a unit whose prediction is good keeps a limit near the target.
+miss, and a unit with a queue keeps it at the limit: every request it admits is near it.
+Measured on the simulator, one A100 70B unit at about twice its capacity: 93-95% of the
+admitted within the 1 s target with the aim at the target itself, 96-97% learned, as many
+admitted and goodput +2-3% (benchmarks/RESULTS.md, "The admission aim and the burst-onset
+prediction"). The aim settles where about `aim_tail` of the judged requests miss, so a unit
+whose prediction is good keeps a limit near the target.
 
 In `mode` "protect" (a dev server: queue, do not refuse) only `too_long` and `queue_full`
 apply: the SLO rules (`prefill_backlog`, `kv_pressure`) are off, so a burst is served late

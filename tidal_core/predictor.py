@@ -15,10 +15,10 @@ Owns: `TtftPredictor`, the one prediction admission control, the regime detector
   the step sizer's TPOT aim; and the backlog at the prefill speed measured while prompts were
   queued (`PrefillThroughput`). The measured speed is that of the decode mix it was measured
   with: at a burst's onset the decodes grow from a handful to dozens within a second, each
-  prompt admitted ahead of a request takes part of every step its prefill shares, and a speed
-  measured a moment ago predicted admitted requests' first tokens 25-50% early (the first
-  tokens came at 1.2-1.5 s against a 1 s target; benchmarks/RESULTS.md, "Bursts: the
-  prediction at a burst's onset");
+  prompt admitted ahead of a request takes part of every step its prefill shares, and with a
+  speed measured a moment ago a 400-request burst's admitted requests got their first tokens
+  1.36-1.53 s after arrival against predictions of 0.93-0.99 s (benchmarks/RESULTS.md, "The
+  admission aim and the burst-onset prediction");
 - `slot_s`: when the running batch is at its cap, waiting for enough running requests to
   finish, at the measured completion rate (the capacity estimate before any finish);
 - `correction`: the measured/predicted ratio of recent first tokens (`PredictionCorrection`),
