@@ -144,8 +144,9 @@ class ServiceModel:
         if prefill_tokens <= 0:
             return 0.0
         oh, fixed, ppt, dps = self.overhead_s, self.prefill_step_s, self.prefill_s_per_token, self.decode_s_per_seq
-        grow, total = (decodes_after - decodes_now) / _DRAIN_PARTS, 0.0
-        for k in range(_DRAIN_PARTS):
+        parts = _DRAIN_PARTS if decodes_after != decodes_now else 1  # no growth: one share is exact
+        grow, total = (decodes_after - decodes_now) / parts, 0.0
+        for k in range(parts):
             d = decodes_now + grow * (k + 0.5)
             per_step = budget - d
             if aim_s is not None:
@@ -155,7 +156,7 @@ class ServiceModel:
             if per_step < _MIN_STEP_TOKENS:
                 per_step = _MIN_STEP_TOKENS
             total += (oh + fixed + dps * d) / per_step + ppt
-        return total * prefill_tokens / _DRAIN_PARTS
+        return total * prefill_tokens / parts
 
 
 class PrefillThroughput:
