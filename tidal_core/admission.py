@@ -9,9 +9,10 @@ Owns: `AdmissionController.check`. Rules, in order, each with its metric label:
 - `queue_full`: `max_queue_len` requests already wait;
 - `prefill_backlog`: the predicted time to first token of a new arrival exceeds the learned
   aim x `target_ttft_s` in OVERLOAD (x `burst_factor` in LIGHT/STEADY, where a burst drains),
-  and work is ahead of it. The prediction is (a) prefilling the work ahead
-  (waiting prompts plus unfinished chunks) and its own prompt at the prefill speed measured
-  while prompts were queued — the queued-prefill-token cap of DESIGN.md, about target TTFT x
+  and work is ahead of it. The prediction (core/predictor.py) is (a) prefilling the work
+  ahead (waiting prompts plus unfinished chunks) and its own prompt, with the decodes those
+  prompts will start sharing the steps, or at the prefill speed measured while prompts were
+  queued if that is slower — the queued-prefill-token cap of DESIGN.md, about target TTFT x
   prefill throughput — plus (b) waiting for a batch slot when the running batch is at its
   cap, at the measured completion rate;
 - `kv_pressure`: KV usage is at `kv_reject_usage` and requests already wait for room.
@@ -71,7 +72,7 @@ class UnitState:
 def regime_limit_s(cfg: AdmissionConfig, regime: Regime) -> float:
     """The TTFT limit of `regime` before the aim: the target in OVERLOAD, `burst_factor` x it
     otherwise; 0 where admission never refuses for TTFT (off, or "protect" mode)."""
-    if not cfg.enabled or cfg.mode == "protect":
+    if not cfg.enabled or cfg.mode == "protect":  # AdmissionController.judges_ttft is False
         return 0.0
     return cfg.target_ttft_s if regime is Regime.OVERLOAD else cfg.burst_factor * cfg.target_ttft_s
 
@@ -104,12 +105,15 @@ class TtftAim:
 
 
 class AdmissionController:
-    __slots__ = ("aim", "config", "max_model_len")
+    __slots__ = ("aim", "config", "judges_ttft", "max_model_len")
 
     def __init__(self, config: AdmissionConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.aim = TtftAim(config)
+        # The `prefill_backlog` rule applies at all (its limit is never 0): only then does a
+        # request admitted with work ahead teach the aim.
+        self.judges_ttft = config.enabled and config.mode != "protect"
 
     def limit_s(self, regime: Regime) -> float:
         """The predicted TTFT past which a request with work ahead is refused (`prefill_backlog`);

@@ -144,7 +144,8 @@ class Scheduler:
             self.stats.rejected[rejection.reason] += 1
             return rejection
         # Admission's prediction, and the raw model's (whose measured error trains the correction).
-        req.queued_s, req.predicted_ttft_s, req.admitted_ahead = now, state.predicted_ttft_s, state.work_ahead
+        req.queued_s, req.predicted_ttft_s = now, state.predicted_ttft_s
+        req.admitted_ahead = state.work_ahead and self.admission.judges_ttft
         req.raw_predicted_ttft_s = max(0.0, now - req.arrival_s) + raw
         self.q.enqueue(req)
         return None

@@ -129,3 +129,14 @@ def test_on_the_simulator_the_aim_keeps_the_admitted_within_the_target_at_the_sa
         within[gain], admitted[gain] = float(np.mean(ttft <= 1.0)), ttft.size
     assert within["0.02"] >= 0.94 and within["0.02"] - within["0"] >= 0.02, within
     assert abs(admitted["0.02"] - admitted["0"]) <= 0.02 * admitted["0"], admitted
+
+
+def test_without_the_ttft_rule_nothing_teaches_the_aim() -> None:
+    """In "protect" mode (a dev server) admission never refuses for TTFT: nothing it admits
+    was judged by that rule, however much work was ahead."""
+    unit = _unit(mode="protect")  # type: ignore[arg-type]
+    first, second = Request("first", 300, SamplingParams(), 0.0), Request("second", 300, SamplingParams(), 0.0)
+    assert unit.add_request(first, 0.0) is None and unit.add_request(second, 0.0) is None
+    assert not second.admitted_ahead
+    unit.predictor.on_first_token(second, 3.0)
+    assert unit.admission.aim.num_observed == 0 and unit.admission.limit_s(Regime.OVERLOAD) == 0.0
