@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeat):
         t0 = time.perf_counter()
         for _ in range(args.n):
-            front.check(seen, 0.5, 400, 0.0, 0.0)
+            front.check(seen, 0.5, 400, 0.0, 0, 0)
         decide.append((time.perf_counter() - t0) / args.n)
 
     async def downstream(scope: Any, receive: Any, send: Any) -> None:

@@ -163,14 +163,15 @@ class EngineLoop:
             yield GenerateChunk(num_prompt_tokens=req.num_prompt_tokens,
                                 error=EngineError(status, kind, rejection.reason, rejection.message,
                                                   rejection.retry_after_s if rejection.retryable else None),
-                                load=self.load(now) if gen.report_load else None)
+                                load=self.load(now) if gen.report_load else None,
+                                waited_s=waited if gen.report_load else None)
             return
         stream = _Stream(req, gen.sampling.logprobs is not None)
         self.streams[gen.request_id] = stream
         self._wake.set()
         try:
             if gen.report_load:  # the admission verdict, at once (the first token may be seconds away)
-                yield GenerateChunk(load=self.load(now))
+                yield GenerateChunk(load=self.load(now), waited_s=waited)
             async for chunk in self._drain(stream):
                 yield chunk
         finally:

@@ -8,8 +8,9 @@ or validates a body: a refused request costs no JSON parsing, no tokenizing and 
 
 Freshness. In a burst, hundreds of requests arrive before the first verdict on any of them comes
 back; so each request let through is *pending* until its unit's verdict (or its end), and the
-prefill of the pending ones is counted on top of the snapshots (`FrontAdmission.check`'s
-`pending_s`, found through a context variable: the verdict arrives in the request's own task).
+estimated prompts of the pending ones are counted on top of the snapshots, priced as the unit
+prices a burst (`FrontAdmission.check`'s `pending_tokens` and `pending_requests`; a request's
+ticket is found through a context variable: the verdict arrives in the request's own task).
 Two sources feed the snapshots: (1) every request the gate lets through asks its unit
 to attach its `UnitLoad` to the admission verdict (`GenerateRequest.report_load`): a rejection
 carries it, an admission sends it at once in a chunk of its own; so while traffic flows, the gate
@@ -51,13 +52,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve_app.openai.arrival_stamp import mark_arrival
 from serve_app.openai.errors import OpenAIError
 from serve_app.openai.http_limits import JSON_ENDPOINTS, error_response
 from tidal_core import AdmissionConfig, UnitLoad
-from tidal_core.front_admission import FrontAdmission, FrontRefusal, Sighting
+from tidal_core.front_admission import FrontAdmission, FrontRefusal, OnTheWay, PathModel, Sighting
 from tidal_core.retry_spread import RetrySpread
 
 logger = logging.getLogger(__name__)
@@ -71,10 +72,16 @@ PENDING_FOR_S = 5.0  # a request let through counts as pending at most this long
 
 @dataclasses.dataclass(eq=False)
 class _Ticket:
-    """A request let through, not yet seen by its unit: its estimated prefill and when it left."""
+    """A request let through, not yet seen by its unit: its estimated prompt tokens, when it left,
+    how long it had waited then (since the proxy's arrival stamp), how many requests were on the
+    way with it (itself included) and, once its unit's verdict came, how long it had waited when
+    the unit received it."""
 
-    prefill_s: float
+    tokens: int
     sent_s: float
+    waited_s: float = 0.0
+    on_the_way: int = 1
+    unit_waited_s: float | None = None
 
 
 _TICKET: contextvars.ContextVar[_Ticket | None] = contextvars.ContextVar("tidal_front_ticket", default=None)
@@ -113,15 +120,18 @@ class FrontGate:
         # the way are those let through, less those the units say they received since first seen,
         # less those answered without reaching a unit, and never more than those still open.
         self.count_arrivals = count_arrivals
-        self._sent: collections.deque[float] = collections.deque(maxlen=4096)  # prefill estimates, in order
+        self._sent: collections.deque[tuple[int, float]] = collections.deque(maxlen=4096)  # (prompt estimate, sent at), in order
+        self.path = PathModel()  # how long the way to the units takes (learned from the units' verdicts)
         self._num_sent = 0
         self._num_skipped = 0  # answered without reaching a unit (the ingress refused them, a 400...)
         self._arrived: dict[str, tuple[int, int]] = {}  # unit -> (num_arrived when first seen, latest)
 
     # ---- snapshots ------------------------------------------------------------------------
-    def observe(self, load: UnitLoad) -> None:
+    def observe(self, load: UnitLoad, unit_waited_s: float | None = None) -> None:
         """A unit's snapshot, just received (from its verdict on a request, or from the poll); in
-        a request's context, that request is no longer pending: the snapshot holds it."""
+        a request's context, that request is no longer pending: the snapshot holds it, and
+        `unit_waited_s` (how long it had waited when the unit received it) teaches the path model."""
+        self._learn_path(unit_waited_s)
         self.release()
         now = self.clock()
         self.sightings[load.unit_id] = Sighting(load, now)
@@ -183,7 +193,7 @@ class FrontGate:
         answered at least once (a gate still looking for its unit keeps polling at `period_s`)."""
         if self._requests_since_poll or not self.sightings:
             return False
-        now = self.clock()  # a ticket whose verdict was lost stops counting after `pending_for_s`, as in `_pending_s`
+        now = self.clock()  # a ticket whose verdict was lost stops counting after `pending_for_s`, as in `_pending_work`
         return not any(now - t.sent_s <= self.pending_for_s for t in self._pending)
 
     # ---- verdicts -------------------------------------------------------------------------
@@ -200,17 +210,17 @@ class FrontGate:
             return closed
         now = self.clock()
         tokens = body_bytes // BYTES_PER_TOKEN
-        verdict = self.admission.check(self.sightings.values(), now, tokens, waited_s, self._pending_s(now))
+        way = self._on_the_way(now)
+        verdict = self.admission.check(self.sightings.values(), now, tokens, waited_s, way)
         if verdict is not None:
             self.refused[verdict.reason] = self.refused.get(verdict.reason, 0) + 1
             if self._on_refusal is not None:
                 self._on_refusal(verdict.reason)
             return _rate_limited(verdict)
-        per_token = max((s.load.prefill_s_per_token for s in self.sightings.values()), default=0.0)
         if self.count_arrivals:
-            self._sent.append(tokens * per_token)
+            self._sent.append((tokens, now))
             self._num_sent += 1
-        ticket = _Ticket(tokens * per_token, now)
+        ticket = _Ticket(tokens, now, waited_s, way.requests + 1)
         self._pending.add(ticket)
         _TICKET.set(ticket)
         return None
@@ -222,12 +232,20 @@ class FrontGate:
             self._pending.discard(ticket)
             _TICKET.set(None)
 
-    def answered(self, reached_a_unit: bool) -> None:
+    def answered(self, reached_a_unit: bool, unit_waited_s: float | None = None) -> None:
         """With `count_arrivals`: the current request's response starts; it ends its pending time
-        (`release`), and one that never reached a unit will never show in its arrival counter."""
+        (`release`), and one that never reached a unit will never show in its arrival counter.
+        `unit_waited_s`: how long it had waited when its unit received it (`UNIT_WAITED`)."""
         if _TICKET.get() is not None and not reached_a_unit:
             self._num_skipped += 1
+        self._learn_path(unit_waited_s)
         self.release()
+
+    def _learn_path(self, unit_waited_s: float | None) -> None:
+        ticket = _TICKET.get()
+        if ticket is not None and unit_waited_s is not None and ticket.unit_waited_s is None:
+            ticket.unit_waited_s = unit_waited_s
+            self.path.observe(unit_waited_s - ticket.waited_s, ticket.on_the_way)
 
     def in_flight(self) -> int:
         """With `count_arrivals`: requests let through that no unit has reported receiving yet (other
@@ -235,15 +253,23 @@ class FrontGate:
         received = sum(latest - first for first, latest in self._arrived.values())
         return max(0, min(len(self._pending), len(self._sent), self._num_sent - self._num_skipped - received))
 
-    def _pending_s(self, now: float) -> float:
+    def _on_the_way(self, now: float) -> OnTheWay:
+        """The requests let through that no snapshot holds yet (their estimated prompt tokens, how
+        many, how long ago the oldest left) and how long a request let through now would take to
+        reach its unit."""
         if self.count_arrivals:
             n = self.in_flight()
-            return sum(itertools.islice(reversed(self._sent), n)) if n else 0.0
-        if not self._pending:
-            return 0.0
+            if not n:
+                return OnTheWay(path_s=self.path.path_s(1))
+            sent = list(itertools.islice(reversed(self._sent), n))
+            return OnTheWay(sum(t for t, _ in sent), n, now - sent[-1][1], self.path.path_s(n + 1))
         for old in [t for t in self._pending if now - t.sent_s > self.pending_for_s]:
             self._pending.discard(old)  # a verdict lost on the way: a snapshot holds it by now
-        return sum(t.prefill_s for t in self._pending)
+        if not self._pending:
+            return OnTheWay(path_s=self.path.path_s(1))
+        n = len(self._pending)
+        return OnTheWay(sum(t.tokens for t in self._pending), n, now - min(t.sent_s for t in self._pending),
+                        self.path.path_s(n + 1))
 
     def retry_after_s(self, base_s: float | None) -> float:
         """The spread retry-after of a 429 whose own estimate is `base_s` (the gate's or a unit's)."""
@@ -296,6 +322,9 @@ def _rate_limited(verdict: FrontRefusal) -> OpenAIError:
 
 
 REFUSED_BY = "x-tidal-refused-by"  # on a 429 / 503: where it was decided (proxy, ingress, unit)
+# On a response to a request its unit gave a verdict on: how long the request had waited (since
+# the proxy's arrival stamp) when the unit received it; the proxy's gate learns its path from it.
+UNIT_WAITED = "x-tidal-unit-waited-ms"
 
 
 def gate_headers(gate: FrontGate | None, err: OpenAIError, where: str) -> dict[str, str]:
@@ -333,8 +362,16 @@ class FrontGateMiddleware:
                 response.headers.update(gate_headers(gate, err, "ingress"))
                 await response(scope, receive, send)
                 return
+            ticket = _TICKET.get()
+
+            async def send_with_wait(message: Message) -> None:
+                if message["type"] == "http.response.start" and ticket is not None and ticket.unit_waited_s is not None:
+                    wait = (UNIT_WAITED.encode(), f"{ticket.unit_waited_s * 1e3:.1f}".encode())
+                    message = {**message, "headers": [*message.get("headers", []), wait]}
+                await send(message)
+
             try:
-                await self.app(scope, receive, send)
+                await self.app(scope, receive, send_with_wait)
             finally:
                 gate.release()
             return

@@ -49,7 +49,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve_app.api_keys import KeySet
 from serve_app.auth import INVALID_KEY, UNAUTHORIZED_HEADERS, presented_key
-from serve_app.front_gate import REFUSED_BY, FrontGate, gate_headers, refusal_counter
+from serve_app.front_gate import REFUSED_BY, UNIT_WAITED, FrontGate, gate_headers, refusal_counter
 from serve_app.openai.arrival_stamp import ArrivalKey, restamp
 from serve_app.openai.http_limits import JSON_ENDPOINTS, error_response
 
@@ -106,8 +106,9 @@ class ProxyGateMiddleware:
         async def send_and_release(message: Message) -> None:
             if message["type"] == "http.response.start":  # the unit's verdict, or none came
                 status = int(message.get("status", 0))
-                where = Headers(raw=list(message.get("headers", []))).get(REFUSED_BY)
-                gate.answered(reached_a_unit=status == 200 or where == "unit")
+                headers = Headers(raw=list(message.get("headers", [])))
+                gate.answered(reached_a_unit=status == 200 or headers.get(REFUSED_BY) == "unit",
+                              unit_waited_s=_seconds(headers.get(UNIT_WAITED)))
             await send(message)
 
         try:
@@ -192,6 +193,13 @@ class ProxyGateMiddleware:
                 await self._task
         for _, gate in self.gates.values():
             await gate.stop()
+
+
+def _seconds(ms: str | None) -> float | None:
+    try:
+        return float(ms) / 1e3 if ms is not None else None
+    except ValueError:
+        return None
 
 
 def _tidal_apps() -> dict[str, str]:

@@ -74,6 +74,9 @@ class GenerateChunk:
     num_prompt_tokens: int = 0
     error: EngineError | None = None
     load: UnitLoad | None = None  # with `report_load`: the unit's snapshot right after its admission verdict
+    # With `report_load`, on the verdict: how long the request had waited since the front end's
+    # arrival (`GenerateRequest.arrival_s`) when the unit received it (the front gates' path model)
+    waited_s: float | None = None
     # Prompt tokens whose KV came from the unit's prefix cache (0 until the request is admitted to run)
     num_cached_tokens: int = 0
     # The class that serves the request, on the unit's first chunk of tokens: batch, or interactive

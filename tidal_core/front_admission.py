@@ -15,11 +15,14 @@ request let through:
 - `queue_full`: the unit's queue held `max_queue_len` requests;
 - `prefill_backlog`: work was ahead and the predicted queueing delay, less the time elapsed
   since the snapshot (the unit drains while the snapshot ages), plus the prefill of the requests
-  the front end let through since (`pending_s`: in a burst, hundreds arrive before any verdict
-  comes back), plus the time this request already waited, plus its own prefill (its estimated prompt
-  tokens x the unit's published `prefill_s_per_token`), exceeds the unit's published limit
+  the front end let through since (in a burst, hundreds arrive before any verdict comes back),
+  plus the time this request already waited, plus its own prefill, exceeds the unit's published limit
   (`target_ttft_s` in OVERLOAD, `burst_factor` x it otherwise, times the unit's learned
-  admission aim: core/admission.py `TtftAim`);
+  admission aim: core/admission.py `TtftAim`). The prompts sent since and this one are priced
+  per estimated token as the unit prices a burst of prompts arriving together
+  (`price_per_token`: from the published `prefill_s_per_token` for one prompt to
+  `burst_s_per_token` for `BURST_REQUESTS`), since each prompt admitted becomes a decode in the
+  steps that prefill the ones behind it;
 - `kv_pressure`: KV usage was at `kv_reject_usage` with requests waiting for room.
 
 A snapshot older than `max_age_s` (5 s) is not believed (no verdict); a younger one is aged: its
@@ -51,6 +54,9 @@ from tidal_core.snapshot import UnitLoad
 
 DEFAULT_MAX_AGE_S = 5.0  # aged by the drain, a busy snapshot keeps refusing until its queue would be gone
 _PROBE_TOKENS = 1024
+BURST_REQUESTS = 16  # the burst probe: this many prompts of `_BURST_PROMPT_TOKENS` arriving together
+_BURST_PROMPT_TOKENS = 256
+PATH_PRIOR_S = 0.01  # `PathModel`'s time per request on the way before any verdict
 
 
 def ttft_limit_s(cfg: AdmissionConfig, regime: Regime) -> float:
@@ -62,12 +68,29 @@ def ttft_limit_s(cfg: AdmissionConfig, regime: Regime) -> float:
 
 def published_load(sched: Scheduler, now: float, unit_id: str = "") -> UnitLoad:
     """`sched`'s snapshot with `prefill_s_per_token`: how much a prompt's tokens add to its
-    predicted TTFT now (the measured prefill speed, corrections included), and `ttft_limit_s`."""
+    predicted TTFT now (the measured prefill speed, corrections included), `burst_s_per_token`:
+    the same per token of `BURST_REQUESTS` prompts arriving together (the last one's TTFT), and
+    `ttft_limit_s`."""
     snap = sched.snapshot(now, unit_id)
     with_prompt = sched.predicted_queue_delay_s(now, _PROBE_TOKENS)
-    return dataclasses.replace(snap, prefill_s_per_token=max(0.0, with_prompt - snap.queue_delay_s) / _PROBE_TOKENS,
+    per_token = max(0.0, with_prompt - snap.queue_delay_s) / _PROBE_TOKENS
+    burst_tokens = BURST_REQUESTS * _BURST_PROMPT_TOKENS
+    with_burst = sched.predicted_queue_delay_s(now, burst_tokens, own_requests=BURST_REQUESTS)
+    return dataclasses.replace(snap, prefill_s_per_token=per_token,
+                               burst_s_per_token=max(per_token, (with_burst - snap.queue_delay_s) / burst_tokens),
                                num_arrived=sched.stats.num_arrived,
                                ttft_limit_s=sched.admission.limit_s(snap.regime))
+
+
+def price_per_token(load: UnitLoad, num_requests: int) -> float:
+    """What each prompt token of `num_requests` requests arriving together adds to the last one's
+    predicted TTFT at the unit of `load`: `prefill_s_per_token` for one, rising linearly to
+    `burst_s_per_token` at `BURST_REQUESTS` and held there (the unit's own prediction grows on
+    past it, so this errs low for a larger burst; verdicts come back by then)."""
+    base, burst = load.prefill_s_per_token, load.burst_s_per_token
+    if burst <= base or num_requests <= 1:
+        return base
+    return base + (burst - base) * (min(num_requests, BURST_REQUESTS) - 1) / (BURST_REQUESTS - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +99,59 @@ class Sighting:
 
     load: UnitLoad
     seen_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class OnTheWay:
+    """What a front end let through that no snapshot holds yet, and how long its way to the units
+    is: `requests` requests of about `tokens` prompt tokens, the oldest let through `oldest_s`
+    ago, and `path_s`, how long a request let through now will take to reach its unit
+    (`PathModel`)."""
+
+    tokens: int = 0
+    requests: int = 0
+    oldest_s: float = 0.0
+    path_s: float = 0.0
+
+    def share(self, num_units: int) -> OnTheWay:
+        """One unit's share when `num_units` units take them (the request router spreads them)."""
+        if num_units <= 1:
+            return self
+        return dataclasses.replace(self, tokens=self.tokens // num_units, requests=-(-self.requests // num_units))
+
+
+NOTHING_ON_THE_WAY = OnTheWay()
+
+
+class PathModel:
+    """How long a request a front end lets through takes to reach its unit: `per_request_s` times
+    the requests on the way with it (itself included). On a busy box that time is the front end's
+    own queue: in a burst into an idle unit the first requests took 0.1-0.3 s to arrive while the
+    front end forwarded the ones behind them (docs/reliability.md, section 6), and the unit counts
+    that time against the TTFT target. Learned from the units' own count of it (each verdict says
+    how long its request had waited since the front end let it through), as an exponentially
+    weighted mean of that time per request on the way (`gain`: the weight of the newest), from
+    `prior_s`: what a burst into a fresh server meets before any verdict came back. The default
+    prior, 10 ms, is about what Serve's proxy spends per request it forwards on a small box
+    (docs/reliability.md, section 6); on a faster one the first verdicts take it down."""
+
+    __slots__ = ("gain", "num_observed", "per_request_s")
+
+    def __init__(self, gain: float = 0.1, prior_s: float = PATH_PRIOR_S) -> None:
+        if not 0.0 < gain <= 1.0 or not prior_s >= 0.0:
+            raise ValueError(f"path model gain={gain} must be in (0, 1] and prior_s={prior_s} >= 0")
+        self.gain, self.per_request_s, self.num_observed = gain, prior_s, 0
+
+    def observe(self, path_s: float, on_the_way: int) -> None:
+        """A request let through with `on_the_way` requests on the way (itself included) reached
+        its unit `path_s` after it was let through."""
+        if on_the_way < 1 or not 0.0 <= path_s < float("inf"):
+            return
+        self.per_request_s += self.gain * (path_s / on_the_way - self.per_request_s)
+        self.num_observed += 1
+
+    def path_s(self, on_the_way: int) -> float:
+        return self.per_request_s * max(1, on_the_way)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,26 +174,27 @@ class FrontAdmission:
         self.max_age_s = max_age_s
 
     def check(self, sightings: Iterable[Sighting], now: float, prompt_tokens: int = 0,
-              waited_s: float = 0.0, pending_s: float = 0.0) -> FrontRefusal | None:
+              waited_s: float = 0.0, on_the_way: OnTheWay = NOTHING_ON_THE_WAY) -> FrontRefusal | None:
         """None (let the request through) unless every fresh snapshot says its unit would refuse
         it; then the refusal with the shortest retry-after (the unit that frees up first).
         `prompt_tokens` is the front end's estimate of the request's prompt (before tokenizing);
-        `pending_s` the prefill time of the requests it let through that no snapshot holds yet
-        (shared evenly by the fresh units: the request router spreads them)."""
+        `on_the_way` what it let through that no snapshot holds yet (shared evenly by the fresh
+        units: the request router spreads them) and how long the way is."""
         fresh = [(s.load, now - s.seen_s) for s in sightings if 0.0 <= now - s.seen_s <= self.max_age_s]
         refusals: list[FrontRefusal] = []
+        share = on_the_way.share(len(fresh))
         for load, age in fresh:  # a stale snapshot (or one from the future: a clock bug) is not believed
-            refusal = self.unit_verdict(load, age, prompt_tokens, waited_s, pending_s / len(fresh))
+            refusal = self.unit_verdict(load, age, prompt_tokens, waited_s, share)
             if refusal is None:
                 return None
             refusals.append(refusal)
         return min(refusals, key=lambda r: r.retry_after_s, default=None)
 
     def unit_verdict(self, load: UnitLoad, age_s: float, prompt_tokens: int = 0,
-                     waited_s: float = 0.0, pending_s: float = 0.0) -> FrontRefusal | None:
-        """What the unit of `load` would answer a request of about `prompt_tokens` arriving
-        `age_s` after the snapshot, having already waited `waited_s`, with `pending_s` of prefill
-        sent its way since: a refusal, or None (it might admit: the unit decides)."""
+                     waited_s: float = 0.0, on_the_way: OnTheWay = NOTHING_ON_THE_WAY) -> FrontRefusal | None:
+        """What the unit of `load` would answer a request of about `prompt_tokens` let through
+        `age_s` after the snapshot, having already waited `waited_s`, with `on_the_way` sent its
+        way since: a refusal, or None (it might admit: the unit decides)."""
         cfg = self.config
         if not cfg.enabled:
             return None
@@ -127,12 +204,19 @@ class FrontAdmission:
                                 f"{load.num_waiting} requests are already queued (limit {cfg.max_queue_len})")
         if cfg.mode == "protect":  # a dev server queues: only a full queue is refused, as the unit does
             return None
-        # The snapshot's queue drained since (at most in real time), plus what was sent since, which
-        # does not drain before it arrives.
-        ahead_s = max(0.0, load.queue_delay_s - age_s) + max(0.0, pending_s)
-        # Work ahead (ahead_s > 0) is what makes the unit refuse at all: with none, it would start
-        # the request at once, however long its prompt.
-        ttft = waited_s + ahead_s + max(0, prompt_tokens) * load.prefill_s_per_token
+        # The snapshot's queue drained since (at most in real time), then what was sent since, which
+        # cannot start before the oldest of it arrives; the sent prompts and this one priced as a
+        # burst of them (each one a decode in the steps of the prompts behind it), as the unit will
+        # price them. All times from now; this request arrives at `way.path_s`.
+        way = on_the_way
+        per_token = price_per_token(load, max(0, way.requests) + 1)
+        ahead_s = max(0.0, load.queue_delay_s - age_s)
+        if way.requests > 0:
+            ahead_s = max(ahead_s, way.path_s - way.oldest_s) + max(0, way.tokens) * per_token
+        # Work still ahead when it arrives is what makes the unit refuse at all: with none, it
+        # would start the request at once, however long its prompt.
+        ttft = waited_s + ahead_s + max(0, prompt_tokens) * per_token
+        ahead_s -= max(0.0, way.path_s)
         # The unit's own limit, its learned aim included, when the snapshot says; else the config's.
         limit = load.ttft_limit_s if load.ttft_limit_s > 0.0 else ttft_limit_s(cfg, load.regime)
         if ahead_s > 0.0 and ttft > limit:

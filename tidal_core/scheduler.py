@@ -113,10 +113,12 @@ class Scheduler:
         (`UnitView.snapshot`: the interactive view, the batch class reported apart)."""
         return self.view.snapshot(now, unit_id)
 
-    def predicted_queue_delay_s(self, now: float, own_prompt_tokens: int = 0, corrected: bool = True) -> float:
+    def predicted_queue_delay_s(self, now: float, own_prompt_tokens: int = 0, corrected: bool = True,
+                                own_requests: int = 1) -> float:
         """Time before a request arriving now would start its prefill (with `own_prompt_tokens`:
-        would finish it, i.e. its predicted TTFT). See `UnitView` and core/predictor.py."""
-        return self.view.predicted_queue_delay_s(now, own_prompt_tokens, corrected)
+        would finish it, i.e. its predicted TTFT; with `own_requests`, those tokens arrive as that
+        many requests). See `UnitView` and core/predictor.py."""
+        return self.view.predicted_queue_delay_s(now, own_prompt_tokens, corrected, own_requests)
 
     def unit_state(self, now: float, req: Request, queue_delay_s: float | None = None) -> UnitState:
         """What admission sees for `req` (`UnitView.unit_state`)."""

@@ -33,7 +33,10 @@ class UnitLoad:
     refused for an SLO reason (core/refusal_meter.py; 0: none arrived lately), its refusal signal.
     `ttft_limit_s` is the predicted TTFT past which its admission refuses a request that has work
     ahead (the regime's limit; 0: not published, or the unit never refuses for it), so a router
-    can send a long prompt where it will be admitted (core/routing.py).
+    can send a long prompt where it will be admitted (core/routing.py). `burst_s_per_token` is
+    `prefill_s_per_token` for the last of a burst of prompts arriving together (each one a decode
+    in the later steps of the others' prefill, so a burst's tokens cost more each; 0: not
+    published), so a front end can price the requests it let through that have not arrived yet.
 
     The batch class (core/batch_lane.py) is reported apart so an autoscaler can count
     interactive demand only: `num_waiting`, `queue_delay_s` and `kv_usage` are interactive
@@ -63,6 +66,7 @@ class UnitLoad:
     batch_kv_usage: float = 0.0
     refused_fraction: float = 0.0  # recent share of interactive arrivals refused (core/refusal_meter.py)
     ttft_limit_s: float = 0.0  # predicted TTFT past which the unit refuses a request with work ahead (0: never)
+    burst_s_per_token: float = 0.0  # `prefill_s_per_token` for prompts arriving together (0: not published)
 
     def to_stats(self) -> dict[str, float]:
         """The wire form: floats only (Serve's stats contract); the unit id is the replica's."""
@@ -85,6 +89,7 @@ class UnitLoad:
             "batch_kv_usage": self.batch_kv_usage,
             "refused_fraction": self.refused_fraction,
             "ttft_limit_s": self.ttft_limit_s,
+            "burst_s_per_token": self.burst_s_per_token,
         }
 
     @classmethod
@@ -101,7 +106,8 @@ class UnitLoad:
                    batch_backlog_tokens=int(s.get("batch_backlog_tokens", 0)),
                    batch_running=int(s.get("batch_running", 0)), batch_kv_usage=float(s.get("batch_kv_usage", 0.0)),
                    refused_fraction=float(s.get("refused_fraction", 0.0)),
-                   ttft_limit_s=float(s.get("ttft_limit_s", 0.0)))
+                   ttft_limit_s=float(s.get("ttft_limit_s", 0.0)),
+                   burst_s_per_token=float(s.get("burst_s_per_token", 0.0)))
 
 
 STAT_KEYS: tuple[str, ...] = tuple(UnitLoad("", 0, 0, 0.0, 0.0).to_stats())

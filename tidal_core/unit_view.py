@@ -51,18 +51,22 @@ class UnitView:
         q = self.queues
         return q.waiting_tokens + q.prefill_remaining - q.batch_prefill_remaining
 
-    def predicted_queue_delay_s(self, now: float, own_prompt_tokens: int = 0, corrected: bool = True) -> float:
+    def predicted_queue_delay_s(self, now: float, own_prompt_tokens: int = 0, corrected: bool = True,
+                                own_requests: int = 1) -> float:
         """Time before a request arriving now would start its prefill (with `own_prompt_tokens`:
-        would finish it, i.e. its predicted TTFT). See core/predictor.py."""
+        would finish it, i.e. its predicted TTFT). See core/predictor.py. With `own_requests` > 1
+        the tokens arrive as that many requests (the last one's TTFT: a burst's price, which a
+        front end reads from the snapshot, core/front_admission.py)."""
         q, limits = self.queues, self.limits
         n_dec = len(q.decodes.reqs)
-        slots_short = len(q.waiting) + 1 - (limits.running_cap - q.num_running + q.num_batch_running)
+        own_requests = own_requests if own_prompt_tokens else 0
+        slots_short = len(q.waiting) + max(1, own_requests) - (limits.running_cap - q.num_running + q.num_batch_running)
         # The interactive decodes share the steps that drain the backlog (batch decodes yield to
         # waiting interactive prompts; their step in flight is `lane.delay_s`), and every prompt
         # queued or prefilling (and the new one) starts decoding when it finishes, up to the
         # running cap: those steps hold more decodes as the backlog drains.
         n_dec -= q.num_batch_decoding()
-        after = n_dec + len(q.waiting) + len(q.prefilling) + (1 if own_prompt_tokens else 0)
+        after = n_dec + len(q.waiting) + len(q.prefilling) + own_requests
         cap = limits.running_cap if limits.running_cap > n_dec else n_dec
         sizer = limits.sizer
         return self.predictor.predict(now, self.backlog_prefill_tokens() + own_prompt_tokens, n_dec, slots_short,

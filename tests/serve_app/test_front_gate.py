@@ -154,8 +154,9 @@ async def test_the_poll_keeps_the_view_fresh_and_a_failing_poll_keeps_the_last()
 
 
 async def test_handle_client_feeds_the_gate_and_hides_the_admission_chunk() -> None:
-    seen: list[UnitLoad] = []
-    response = FakeResponse([GenerateChunk(load=IDLE), GenerateChunk([5]), GenerateChunk([6], "stop", load=None)])
+    seen: list[tuple[UnitLoad, float | None]] = []
+    response = FakeResponse([GenerateChunk(load=IDLE, waited_s=0.25), GenerateChunk([5]),
+                             GenerateChunk([6], "stop", load=None)])
     handle = FakeHandle(response)
     sent: list[GenerateRequest] = []
     original = handle.remote
@@ -165,9 +166,9 @@ async def test_handle_client_feeds_the_gate_and_hides_the_admission_chunk() -> N
         return original(*args)
 
     handle.remote = remote  # type: ignore[method-assign]
-    engine = HandleEngineClient(handle, INFO, on_load=seen.append)  # type: ignore[arg-type]
+    engine = HandleEngineClient(handle, INFO, on_load=lambda load, waited: seen.append((load, waited)))  # type: ignore[arg-type]
     chunks = [c async for c in engine.generate(GenerateRequest("r", [1], SamplingParams(max_tokens=2), 0.0))]
-    assert [c.token_ids for c in chunks] == [[5], [6]] and seen == [IDLE]
+    assert [c.token_ids for c in chunks] == [[5], [6]] and seen == [(IDLE, 0.25)]
     assert sent[0].report_load
 
 
@@ -180,6 +181,7 @@ def test_the_unit_reports_its_load_with_its_verdicts() -> None:
         results = await asyncio.gather(*(collect(loop, r) for r in reqs))
         for chunks in results:
             assert chunks[0].load is not None and chunks[0].load.unit_id == "u9"
+            assert chunks[0].waited_s is not None and 0.0 <= chunks[0].waited_s < 5.0  # the wait it arrived with
             if chunks[0].error is None:  # admitted: the verdict alone first, then the tokens
                 assert chunks[0].token_ids == [] and chunks[0].finish_reason is None
                 assert [t for c in chunks for t in c.token_ids] == [42] * 3
@@ -195,15 +197,27 @@ def test_the_unit_reports_its_load_with_its_verdicts() -> None:
 
 
 def test_requests_let_through_count_until_their_verdict_so_a_burst_is_refused_before_any_returns() -> None:
+    from tidal_core.front_admission import PathModel
+
+    def burst_through(gate: FrontGate) -> int:
+        passed = 0
+        while gate.refusal(body) is None:
+            passed += 1
+            assert passed < 100
+        return passed
+
     clock = Clock()
-    gate = FrontGate(AdmissionConfig(target_ttft_s=1.0, burst_factor=2.0), clock=clock)
-    gate.observe(dataclasses.replace(IDLE, prefill_s_per_token=0.001))  # 1 ms per prompt token
     body = 600  # bytes: ~100 tokens, ~0.1 s of prefill each
-    passed = 0
-    while gate.refusal(body) is None:
-        passed += 1
-        assert passed < 100
+    timed = FrontGate(AdmissionConfig(target_ttft_s=1.0, burst_factor=2.0), clock=clock)
+    timed.observe(dataclasses.replace(IDLE, prefill_s_per_token=0.001))  # 1 ms per prompt token
+    gate = FrontGate(AdmissionConfig(target_ttft_s=1.0, burst_factor=2.0), clock=clock)
+    gate.path = PathModel(prior_s=0.0)  # an instant way to the unit
+    gate.observe(dataclasses.replace(IDLE, prefill_s_per_token=0.001))
+    passed = burst_through(gate)
     assert 19 <= passed <= 21  # ~2 s (burst_factor x the target) of prefill let through, then refused
+    # The way takes time (the prior: 10 ms per request on it), and the unit cannot start on the
+    # first request before it arrives: fewer pass.
+    assert burst_through(timed) < passed
     clock.now += 0.5  # work still on its way to the unit does not drain: nothing more passes
     assert gate.refusal(body) is not None
 
@@ -387,3 +401,52 @@ def test_the_poll_periods_must_fit_the_snapshots_age_limit() -> None:
     for period_s, idle_s in ((0.0, 1.0), (0.5, 0.1), (0.1, 5.0)):
         with pytest.raises(ValueError, match="period_s"):
             FrontGate(AdmissionConfig(), period_s=period_s, idle_period_s=idle_s)
+
+
+async def test_the_gates_learn_the_way_to_the_unit_from_its_verdicts() -> None:
+    """The unit's verdict says how long its request had waited since the proxy's stamp when it
+    arrived: the Ingress's gate learns its own stretch of the way from it (less the wait it judged
+    the request with), adds it to the response for the proxy (`UNIT_WAITED`), and the proxy's gate
+    learns the whole way from that header."""
+    from serve_app.front_gate import UNIT_WAITED, FrontGateMiddleware
+    from serve_app.proxy_gate import ProxyGateMiddleware
+
+    ingress_gate = FrontGate(AdmissionConfig(target_ttft_s=1.0), clock=Clock(), rng=random.Random(0))
+    ingress_gate.observe(IDLE)
+
+    async def unit_side(scope: Any, receive: Any, send: Any) -> None:  # the handler, after the unit's verdict
+        ingress_gate.observe(IDLE, unit_waited_s=0.25)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    class State:
+        front_gate = ingress_gate
+
+    class Holder:
+        state = State()
+
+    gated = FrontGateMiddleware(unit_side)
+
+    async def ingress_app(scope: Any, receive: Any, send: Any) -> None:
+        await gated({**scope, "app": Holder()}, receive, send)
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(ingress_app), base_url="http://ingress") as c:
+        answered = await c.post("/v1/chat/completions", json=CHAT)
+    assert answered.headers[UNIT_WAITED] == "250.0"
+    # No stamp here: the Ingress judged it at ~0 s waited, so its stretch is the whole 0.25 s (one
+    # step of the mean from the prior, 10 ms).
+    assert ingress_gate.path.num_observed == 1
+    assert ingress_gate.path.per_request_s == pytest.approx(0.01 + 0.1 * (0.25 - 0.01), abs=1e-3)
+
+    async def behind_the_proxy(scope: Any, receive: Any, send: Any) -> None:  # Serve's routing, then the Ingress
+        await send({"type": "http.response.start", "status": 200, "headers": [(UNIT_WAITED.encode(), b"120.0")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    proxy = ProxyGateMiddleware(behind_the_proxy)
+    proxy._task = asyncio.get_running_loop().create_future()
+    proxy_gate = FrontGate(AdmissionConfig(target_ttft_s=1.0), rng=random.Random(0), count_arrivals=True)
+    proxy_gate.observe(IDLE)
+    proxy.gates["/sim"] = ("sim", proxy_gate)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(proxy), base_url="http://proxy") as c:
+        assert (await c.post("/sim/v1/chat/completions", json=CHAT)).status_code == 200
+    assert proxy_gate.path.per_request_s == pytest.approx(0.01 + 0.1 * (0.12 - 0.01))  # alone on the way: 120 ms

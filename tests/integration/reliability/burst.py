@@ -75,11 +75,13 @@ async def _httpx_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], 
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
             rec.update(status=resp.status_code, headers_ms=(time.perf_counter() - sent) * 1e3,
                        retry_after=resp.headers.get("retry-after"), retry_after_ms=resp.headers.get("retry-after-ms"),
-                       refused_by=resp.headers.get("x-tidal-refused-by"))
+                       refused_by=resp.headers.get("x-tidal-refused-by"),
+                       unit_waited_ms=resp.headers.get("x-tidal-unit-waited-ms"))
             if resp.status_code == 200:
                 await _read_sse(resp, sent, rec)
             else:
-                rec["code"] = json.loads(await resp.aread())["error"].get("code")
+                error = json.loads(await resp.aread())["error"]
+                rec.update(code=error.get("code"), message=error.get("message"))
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as err:
         rec.update(status=None, error=repr(err)[:200])
     return {**rec, "attempts": [dict(rec)]}
