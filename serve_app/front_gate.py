@@ -9,8 +9,8 @@ or validates a body: a refused request costs no JSON parsing, no tokenizing and 
 Freshness. In a burst, hundreds of requests arrive before the first verdict on any of them comes
 back; so each request let through is *pending* until its unit's verdict (or its end), and the
 estimated prompts of the pending ones are counted on top of the snapshots, priced as the unit
-prices a burst (`FrontAdmission.check`'s `pending_tokens` and `pending_requests`; a request's
-ticket is found through a context variable: the verdict arrives in the request's own task).
+prices a burst (`FrontAdmission.check`'s `OnTheWay`; a request's ticket is found through a
+context variable: the verdict arrives in the request's own task).
 Two sources feed the snapshots: (1) every request the gate lets through asks its unit
 to attach its `UnitLoad` to the admission verdict (`GenerateRequest.report_load`): a rejection
 carries it, an admission sends it at once in a chunk of its own; so while traffic flows, the gate
@@ -27,6 +27,13 @@ last poll it dozes for `idle_period_s` (1 s, well inside `max_age_s`), and the n
 it at once: that request is judged on a snapshot at most a doze old, aged by the drain as any
 snapshot is, and the ones after it on a fresh one. It also skips a poll while verdicts keep every
 snapshot younger than `period_s`.
+
+The way to the unit. A unit's verdict also says how long its request had waited (since the
+proxy's arrival stamp) when the unit received it (`GenerateChunk.waited_s`): this gate learns its
+stretch of the way from it (that wait less the one it judged the request with: `PathModel`, per
+request on the way), and adds it to the response (`UNIT_WAITED`), from which the proxy's gate
+learns the whole way. The work let through cannot start before it arrives, and on a small box in
+a burst the way is what set the slowest 429s (tidal_core/front_admission.py).
 
 The request's prompt is estimated from the body's size (`Content-Length` / `BYTES_PER_TOKEN`, a
 deliberately low estimate: English text averages about 4-5 characters per token, and the JSON

@@ -22,7 +22,9 @@ prefixes are read from the controller; each gets a gate that polls its unit's `l
 0.1 s. The proxy never sees a unit's verdict, so the requests on the way are counted from the
 units' own arrival counters (`UnitLoad.num_arrived`): let through, less received since the gate
 first saw each unit, less those answered without reaching one (refused by the ingress: its
-`x-tidal-refused-by`; a 400), and never more than the requests still open. However congested the
+`x-tidal-refused-by`; a 400), and never more than the requests still open. The time the way to a
+unit takes is learned from the Ingress's `x-tidal-unit-waited-ms` on each response (how long the
+request had waited since this proxy's stamp when its unit received it). However congested the
 path from here to the unit, they count until they arrive (a time horizon would open the gate
 exactly when the path is slowest), and none counts past its end.
 

@@ -1,29 +1,40 @@
 """Front-end admission: refuse at the front door, from the units' published snapshots.
 
 Owns: `FrontAdmission` (the verdict on one new request from the latest `UnitLoad` of each unit
-and how old each is), `Sighting` (a snapshot and when the front end received it) and
-`FrontRefusal`. The front end (the ingress) decides before any queue of its own, of Serve's or
-of a unit holds the request, and before tokenizing: every rule reads the units' state only, so a
-request refused here costs no tokenizer work and no hop to a unit.
+and how old each is), `Sighting` (a snapshot and when the front end received it), `OnTheWay`
+(what the front end let through that no snapshot holds yet), `PathModel` (how long the way to a
+unit takes), `price_per_token` and `FrontRefusal`. The front end (Serve's proxy, the ingress)
+decides before any queue of its own, of Serve's or of a unit holds the request, and before
+tokenizing: every rule reads the units' state only, so a request refused here costs no
+tokenizer work and no hop to a unit.
 
-The rules are those of `AdmissionController.check` (tidal_core/admission.py) on a snapshot.
-Given estimates no larger than the truth (of the prompt, and of the work sent since the
-snapshot), each is a *lower bound* of what the unit itself would see, so the front end refuses
-only what the unit would refuse too; the unit's own check stays the final authority for every
-request let through:
+The rules are those of `AdmissionController.check` (tidal_core/admission.py) on a snapshot,
+predicting what the unit will see when the request arrives; the unit's own check stays the
+final authority for every request let through:
 
 - `queue_full`: the unit's queue held `max_queue_len` requests;
-- `prefill_backlog`: work was ahead and the predicted queueing delay, less the time elapsed
-  since the snapshot (the unit drains while the snapshot ages), plus the prefill of the requests
-  the front end let through since (in a burst, hundreds arrive before any verdict comes back),
-  plus the time this request already waited, plus its own prefill, exceeds the unit's published limit
+- `prefill_backlog`: work will still be ahead when the request arrives, and the time it already
+  waited plus the work ahead plus its own prefill exceeds the unit's published limit
   (`target_ttft_s` in OVERLOAD, `burst_factor` x it otherwise, times the unit's learned
-  admission aim: core/admission.py `TtftAim`). The prompts sent since and this one are priced
-  per estimated token as the unit prices a burst of prompts arriving together
-  (`price_per_token`: from the published `prefill_s_per_token` for one prompt to
+  admission aim: core/admission.py `TtftAim`). The work ahead is the snapshot's predicted
+  queueing delay less the time since the snapshot (the unit drains while the snapshot ages),
+  then the prompts the front end let through since (in a burst, hundreds arrive before any
+  verdict comes back), which cannot start before the oldest of them arrives. Those prompts and
+  this one are priced per estimated token as the unit prices a burst of prompts arriving
+  together (`price_per_token`: from the published `prefill_s_per_token` for one prompt to
   `burst_s_per_token` for `BURST_REQUESTS`), since each prompt admitted becomes a decode in the
   steps that prefill the ones behind it;
 - `kv_pressure`: KV usage was at `kv_reject_usage` with requests waiting for room.
+
+Two estimates make the prediction: the prompt's tokens, from the body's size (deliberately low),
+and the way to the unit (`PathModel`: learned from the units' verdicts, which say how long each
+request had waited when it arrived). Without the way, the front end's prediction was a lower
+bound of the unit's and it refused only what the unit would refuse; but in a burst into an idle
+unit the first requests took 0.06-0.5 s to arrive on a small box, the unit counted that time,
+and the requests the front end let through at the edge of the limit were refused by the unit
+after the full round trip: the slowest 429s of a burst (docs/reliability.md, section 6). With
+the way counted, a request whose way runs faster than learned may be refused where the unit
+would have admitted it, by the margin of that difference.
 
 A snapshot older than `max_age_s` (5 s) is not believed (no verdict); a younger one is aged: its
 queue drains in real time, so a busy snapshot refuses only while the queue it saw could not be
@@ -34,8 +45,9 @@ estimate (clamped as the unit clamps it); spreading retries over time is `RetryS
 business (tidal_core/retry_spread.py).
 
 `published_load` is the snapshot a unit publishes for this: `Scheduler.snapshot` with
-`prefill_s_per_token` measured as the scheduler's own marginal TTFT prediction, `num_arrived`
-and `ttft_limit_s` (the regime's limit, which the request router's choice reads too).
+`prefill_s_per_token` and `burst_s_per_token` measured as the scheduler's own marginal TTFT
+predictions, `num_arrived` and `ttft_limit_s` (the regime's limit, which the request router's
+choice reads too).
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """
