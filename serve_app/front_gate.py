@@ -127,7 +127,8 @@ class FrontGate:
         # the way are those let through, less those the units say they received since first seen,
         # less those answered without reaching a unit, and never more than those still open.
         self.count_arrivals = count_arrivals
-        self._sent: collections.deque[tuple[int, float]] = collections.deque(maxlen=4096)  # (prompt estimate, sent at), in order
+        # (prompt estimate, when it was let through), in order
+        self._sent: collections.deque[tuple[int, float]] = collections.deque(maxlen=4096)
         self.path = PathModel()  # how long the way to the units takes (learned from the units' verdicts)
         self._num_sent = 0
         self._num_skipped = 0  # answered without reaching a unit (the ingress refused them, a 400...)
@@ -200,7 +201,7 @@ class FrontGate:
         answered at least once (a gate still looking for its unit keeps polling at `period_s`)."""
         if self._requests_since_poll or not self.sightings:
             return False
-        now = self.clock()  # a ticket whose verdict was lost stops counting after `pending_for_s`, as in `_pending_work`
+        now = self.clock()  # a ticket whose verdict was lost stops counting after `pending_for_s`, as in `_on_the_way`
         return not any(now - t.sent_s <= self.pending_for_s for t in self._pending)
 
     # ---- verdicts -------------------------------------------------------------------------

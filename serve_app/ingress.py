@@ -232,7 +232,8 @@ class HandleEngineClient:
                  on_load: Callable[[UnitLoad, float | None], None] | None = None) -> None:
         self._router = router
         self.model_info = model_info
-        self.on_load = on_load  # each unit's snapshot and its request's wait, as its verdicts bring them (the front gate's feed)
+        # each unit's snapshot and its request's wait, as its verdicts bring them (the front gate's feed)
+        self.on_load = on_load
         self.recovering = False
         self._probe: asyncio.Task[None] | None = None  # a strong reference keeps the task alive
 
