@@ -3,10 +3,12 @@
 For each cost model x trace x rate, runs `adaptive` once and `sarathi` (continuous + the same
 SLO admission + a fixed token budget) at every budget of `--budgets`, then picks the best
 budget with hindsight (highest goodput) and reports adaptive's goodput as a ratio of it, side
-by side with TPOT p99 and TTFT p50 of both
-(and `eager`'s TTFT p50, the light-load reference). Windows are the first `--hours` of each trace,
-or the `--hours` that start `--offset-min` minutes in (a check on traffic the matrix does not
-hold); `--no-eager` skips the reference run (the slowest, at 3x).
+by side with TPOT p99 and TTFT p50 of both (and `eager`'s TTFT p50, the light-load reference).
+A second ratio is against the best budget whose TPOT p99 meets the SLO's target: the budget a
+user who tunes it for the TPOT target (as Sarathi-Serve derives it) would pick; the best budget
+overall breaks that target in many cells. Windows are the first `--hours` of each trace, or the
+`--hours` that start `--offset-min` minutes in (a check on traffic the matrix does not hold);
+`--no-eager` skips the reference run (the slowest, at 3x).
 
     python benchmarks/sweet_spot.py --hours 0.25 --out runs/sweet_spot.json
     python benchmarks/sweet_spot.py --hours 0.25 --offset-min 15 --no-eager
@@ -54,11 +56,18 @@ def cell(cost_name: str, trace_name: str, rate: float, hours: float, budgets: tu
     for b in budgets:
         spec = RunSpec(trace, base, cost, slo, overrides={"max_num_batched_tokens": str(b)})
         runs[f"sarathi-{b}"] = _row(run_policy(spec, "sarathi", progress=False).summary)
-    best = max((k for k in runs if k.startswith("sarathi-")), key=lambda k: runs[k]["goodput_rps"] or 0.0)
-    best_g = runs[best]["goodput_rps"] or 0.0
-    ratio = (runs[policy]["goodput_rps"] or 0.0) / best_g if best_g > 0 else float("inf")
-    return {"cost_model": cost_name, "trace": trace_name, "rate": rate, "best": best, "ratio": round(ratio, 3),
-            "runs": runs}
+    fixed = [k for k in runs if k.startswith("sarathi-")]
+    best = max(fixed, key=lambda k: runs[k]["goodput_rps"] or 0.0)
+    within = [k for k in fixed if (runs[k]["tpot_p99_ms"] or 0.0) <= slo.tpot_s * 1e3]
+    best_within = max(within, key=lambda k: runs[k]["goodput_rps"] or 0.0) if within else None
+    return {"cost_model": cost_name, "trace": trace_name, "rate": rate, "best": best,
+            "ratio": _ratio(runs[policy], runs[best]), "best_within_tpot": best_within,
+            "ratio_within_tpot": _ratio(runs[policy], runs[best_within]) if best_within else None, "runs": runs}
+
+
+def _ratio(run: dict[str, Any], best: dict[str, Any]) -> float:
+    best_g = best["goodput_rps"] or 0.0
+    return round((run["goodput_rps"] or 0.0) / best_g, 3) if best_g > 0 else float("inf")
 
 
 def main() -> int:
@@ -81,7 +90,8 @@ def main() -> int:
     slo = Slo(args.slo_ttft, args.slo_tpot)
     cells = []
     print("| GPU | trace | rate | best budget | its goodput | its TPOT p99 | adaptive goodput | TPOT p99 | "
-          "TTFT p50 (best / adaptive / eager) | adaptive / best |\n|---|---|---|---|---|---|---|---|---|---|")
+          "TTFT p50 (best / adaptive / eager) | adaptive / best | best within the TPOT target | adaptive / it |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
     for cm in args.cost_model or COST_MODELS:
         for tr in args.trace or TRACES:
             for rate in args.rate or RATES:
@@ -91,12 +101,14 @@ def main() -> int:
                 b, a, e = c["runs"][c["best"]], c["runs"][args.policy], c["runs"]["eager"]
                 print(f"| {cm.split('-')[0]} | {tr} | {rate}x | {c['best'].split('-')[1]} | {b['goodput_rps']} | "
                       f"{b['tpot_p99_ms']} | {a['goodput_rps']} | {a['tpot_p99_ms']} | "
-                      f"{b['ttft_p50_ms']} / {a['ttft_p50_ms']} / {e['ttft_p50_ms']} | {c['ratio']} |", flush=True)
+                      f"{b['ttft_p50_ms']} / {a['ttft_p50_ms']} / {e['ttft_p50_ms']} | {c['ratio']} | "
+                      f"{(c['best_within_tpot'] or '-').split('-')[-1]} | {c['ratio_within_tpot']} |", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(cells, indent=1))
     worst = min(c["ratio"] for c in cells)
-    print(f"worst ratio {worst}", file=sys.stderr)
+    within = [c["ratio_within_tpot"] for c in cells if c["ratio_within_tpot"] is not None]
+    print(f"worst ratio {worst}; against the best within the TPOT target {min(within, default=None)}", file=sys.stderr)
     return 0
 
 
