@@ -11,7 +11,14 @@ from calibration.cost_model import CostModel
 from loadgen.retry_policy import RetryPolicy
 from loadgen.sim.runner import unit_config
 from loadgen.sim.sweep_matrix import SLOS, Cell, Family, Window, cell_trace
-from loadgen.sim.sweep_report import best_fixed, day_hour_rows, day_summary_rows, headline_rows, report_markdown
+from loadgen.sim.sweep_report import (
+    best_fixed,
+    best_fixed_within_tpot,
+    day_hour_rows,
+    day_summary_rows,
+    headline_rows,
+    report_markdown,
+)
 from loadgen.sim.sweep_run import best_of, run_cell, variant_config
 
 A100 = "a100-llama70b-tp8"
@@ -63,6 +70,31 @@ def test_the_hindsight_best_is_the_grid_value_with_the_most_goodput(cell_result:
         overall = best_fixed(cell_result, slo)
         assert overall is not None and overall[0] == row["best"]
         assert row["ratio"] == pytest.approx(v["adaptive"]["slo"][slo]["goodput_rps"] / row["best_goodput"], abs=1e-3)
+
+
+def test_the_best_within_the_tpot_target_is_the_best_that_meets_it(cell_result: dict) -> None:
+    """What a user who tunes the knob for the TPOT target would run: the best variant whose TPOT
+    p99 meets the SLO's target (the best overall may break it)."""
+    v = cell_result["variants"]
+    for slo, target in SLOS.items():
+        found = best_fixed_within_tpot(cell_result, slo)
+        meeting = [label for label, e in v.items() if label != "adaptive"
+                   and e["slo"][slo]["tpot_p99_ms"] <= target.tpot_s * 1e3]
+        if not meeting:
+            assert found is None
+            continue
+        assert found is not None and found[0] in meeting
+        assert found[1]["slo"][slo]["goodput_rps"] == max(v[x]["slo"][slo]["goodput_rps"] for x in meeting)
+        overall = best_fixed(cell_result, slo)
+        assert overall is not None and overall[1]["slo"][slo]["goodput_rps"] >= found[1]["slo"][slo]["goodput_rps"]
+    # Made to break the target, the best overall is passed over for the next best that meets it.
+    broken = json.loads(json.dumps(cell_result))
+    slo = "ttft1-tpot100"
+    top = best_fixed(broken, slo)
+    assert top is not None
+    broken["variants"][top[0]]["slo"][slo]["tpot_p99_ms"] = 150.0
+    found = best_fixed_within_tpot(broken, slo)
+    assert found is None or found[0] != top[0]
 
 
 def test_a_day_has_24_compressed_hours_with_their_own_table(tmp_path: Path) -> None:
