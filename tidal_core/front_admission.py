@@ -145,21 +145,30 @@ class PathModel:
     weighted mean of that time per request on the way (`gain`: the weight of the newest), from
     `prior_s`: what a burst into a fresh server meets before any verdict came back. The default
     prior, 10 ms, is about what Serve's proxy spends per request it forwards on a small box
-    (docs/reliability.md, section 6); on a faster one the first verdicts take it down."""
+    (docs/reliability.md, section 6); on a faster one the first verdicts take it down.
+    One request's way counts for at most `outlier_factor` times the mean: a client that uploads
+    its body slowly waits long before its unit sees it (the proxy stamps the request's start),
+    and one such request must not make the gates refuse everyone's for the next dozens of
+    verdicts; a way that really grows still raises the mean by a third or so per verdict."""
 
-    __slots__ = ("gain", "num_observed", "per_request_s")
+    __slots__ = ("gain", "num_observed", "outlier_factor", "per_request_s")
 
-    def __init__(self, gain: float = 0.1, prior_s: float = PATH_PRIOR_S) -> None:
-        if not 0.0 < gain <= 1.0 or not prior_s >= 0.0:
-            raise ValueError(f"path model gain={gain} must be in (0, 1] and prior_s={prior_s} >= 0")
+    def __init__(self, gain: float = 0.1, prior_s: float = PATH_PRIOR_S, outlier_factor: float = 4.0) -> None:
+        if not 0.0 < gain <= 1.0 or not prior_s >= 0.0 or not outlier_factor > 1.0:
+            raise ValueError(f"path model gain={gain} must be in (0, 1], prior_s={prior_s} >= 0 "
+                             f"and outlier_factor={outlier_factor} > 1")
         self.gain, self.per_request_s, self.num_observed = gain, prior_s, 0
+        self.outlier_factor = outlier_factor
 
     def observe(self, path_s: float, on_the_way: int) -> None:
         """A request let through with `on_the_way` requests on the way (itself included) reached
         its unit `path_s` after it was let through."""
         if on_the_way < 1 or not 0.0 <= path_s < float("inf"):
             return
-        self.per_request_s += self.gain * (path_s / on_the_way - self.per_request_s)
+        x = path_s / on_the_way
+        if self.per_request_s > 0.0 and x > self.outlier_factor * self.per_request_s:
+            x = self.outlier_factor * self.per_request_s
+        self.per_request_s += self.gain * (x - self.per_request_s)
         self.num_observed += 1
 
     def path_s(self, on_the_way: int) -> float:

@@ -229,6 +229,23 @@ def test_the_path_model_learns_the_time_per_request_on_the_way() -> None:
         PathModel(gain=0.0)
 
 
+def test_one_slow_request_does_not_close_the_gates_but_a_longer_way_is_learned() -> None:
+    """A client uploading its body for 30 s reaches its unit 30 s after the proxy's stamp: it
+    counts as 4x the mean at most, and the next ordinary verdicts bring the mean back; a way that
+    really grows (every request on it slower) is learned within a few dozen verdicts."""
+    path = PathModel(gain=0.1, prior_s=0.01)
+    path.observe(30.0, on_the_way=1)
+    assert path.per_request_s == pytest.approx(0.01 + 0.1 * (0.04 - 0.01))  # not 3 s
+    for _ in range(20):
+        path.observe(0.01, 1)
+    assert path.per_request_s < 0.0115
+    for _ in range(40):  # the way now takes 100 ms a request: followed up, 4x at a time at most
+        path.observe(0.1, 1)
+    assert path.per_request_s == pytest.approx(0.1, rel=0.05)
+    with pytest.raises(ValueError, match="outlier_factor=1"):
+        PathModel(outlier_factor=1.0)
+
+
 def test_work_let_through_starts_when_it_arrives_and_a_unit_idle_at_arrival_decides_itself() -> None:
     """An idle unit's snapshot and ten requests let through 50 ms ago, 0.8 s of prefill: with no
     path known the front end lets an 0.1 s prompt through (0.9 s); with a 0.25 s path the work

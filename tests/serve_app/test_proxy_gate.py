@@ -119,7 +119,7 @@ async def test_the_gates_learn_the_way_to_the_unit_from_its_verdicts() -> None:
     ingress_gate.observe(IDLE)
 
     async def unit_side(scope: Any, receive: Any, send: Any) -> None:  # the handler, after the unit's verdict
-        ingress_gate.observe(IDLE, unit_waited_s=0.25)
+        ingress_gate.observe(IDLE, unit_waited_s=0.03)
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
@@ -136,14 +136,14 @@ async def test_the_gates_learn_the_way_to_the_unit_from_its_verdicts() -> None:
 
     async with httpx.AsyncClient(transport=httpx.ASGITransport(ingress_app), base_url="http://ingress") as c:
         answered = await c.post("/v1/chat/completions", json=CHAT)
-    assert answered.headers[UNIT_WAITED] == "250.0"
-    # No stamp here: the Ingress judged it at ~0 s waited, so its stretch is the whole 0.25 s (one
+    assert answered.headers[UNIT_WAITED] == "30.0"
+    # No stamp here: the Ingress judged it at ~0 s waited, so its stretch is the whole 30 ms (one
     # step of the mean from the prior, 10 ms).
     assert ingress_gate.path.num_observed == 1
-    assert ingress_gate.path.per_request_s == pytest.approx(0.01 + 0.1 * (0.25 - 0.01), abs=1e-3)
+    assert ingress_gate.path.per_request_s == pytest.approx(0.01 + 0.1 * (0.03 - 0.01), abs=1e-3)
 
     async def behind_the_proxy(scope: Any, receive: Any, send: Any) -> None:  # Serve's routing, then the Ingress
-        await send({"type": "http.response.start", "status": 200, "headers": [(UNIT_WAITED.encode(), b"120.0")]})
+        await send({"type": "http.response.start", "status": 200, "headers": [(UNIT_WAITED.encode(), b"25.0")]})
         await send({"type": "http.response.body", "body": b"{}"})
 
     proxy = ProxyGateMiddleware(behind_the_proxy)
@@ -153,4 +153,4 @@ async def test_the_gates_learn_the_way_to_the_unit_from_its_verdicts() -> None:
     proxy.gates["/sim"] = ("sim", proxy_gate)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(proxy), base_url="http://proxy") as c:
         assert (await c.post("/sim/v1/chat/completions", json=CHAT)).status_code == 200
-    assert proxy_gate.path.per_request_s == pytest.approx(0.01 + 0.1 * (0.12 - 0.01))  # alone on the way: 120 ms
+    assert proxy_gate.path.per_request_s == pytest.approx(0.01 + 0.1 * (0.025 - 0.01))  # alone on the way: 25 ms
