@@ -266,18 +266,14 @@ class FrontGate:
         many, how long ago the oldest left) and how long a request let through now would take to
         reach its unit."""
         if self.count_arrivals:
-            n = self.in_flight()
-            if not n:
-                return OnTheWay(path_s=self.path.path_s(1))
-            sent = list(itertools.islice(reversed(self._sent), n))
-            return OnTheWay(sum(t for t, _ in sent), n, now - sent[-1][1], self.path.path_s(n + 1))
-        for old in [t for t in self._pending if now - t.sent_s > self.pending_for_s]:
-            self._pending.discard(old)  # a verdict lost on the way: a snapshot holds it by now
-        if not self._pending:
-            return OnTheWay(path_s=self.path.path_s(1))
-        n = len(self._pending)
-        return OnTheWay(sum(t.tokens for t in self._pending), n, now - min(t.sent_s for t in self._pending),
-                        self.path.path_s(n + 1))
+            sent = list(itertools.islice(reversed(self._sent), self.in_flight()))
+        else:
+            for old in [t for t in self._pending if now - t.sent_s > self.pending_for_s]:
+                self._pending.discard(old)  # a verdict lost on the way: a snapshot holds it by now
+            sent = [(t.tokens, t.sent_s) for t in self._pending]
+        n = len(sent)
+        oldest = min((at for _, at in sent), default=now)
+        return OnTheWay(sum(tokens for tokens, _ in sent), n, now - oldest, self.path.path_s(n + 1))
 
     def retry_after_s(self, base_s: float | None) -> float:
         """The spread retry-after of a 429 whose own estimate is `base_s` (the gate's or a unit's)."""
