@@ -181,6 +181,9 @@ class StepSizingConfig:
     `pressure_quantile` instead. Each of those tokens is credited with what a decode-only step
     repays, but in OVERLOAD with the repayment measured over the last `repay_steps` decode
     steps (zero on a unit that fills every step: nothing is borrowed there).
+    With `defer` a step whose allowance would cut the oldest prompt's chunk small holds no
+    prefill when a decode-only step, then one bigger chunk, computes the queue's prompts faster
+    (each prefill step pays a fixed cost and the decodes' time; `StepSizer.defer`).
     With `aim_gain` > 0 the aim is learned from finished requests' TPOT: down by `aim_gain` x
     (1 - `aim_tail`) for one that came within `aim_band` of the target, up by `aim_gain` x
     `aim_tail` for any other, within [`aim_floor`, 1] x the target (`headroom` is where it
@@ -200,6 +203,7 @@ class StepSizingConfig:
     aim_band: float = 0.02
     aim_tail: float = 0.01
     aim_floor: float = 0.8
+    defer: bool = True
 
     def __post_init__(self) -> None:
         _require(self.borrow_quantile <= self.pressure_quantile <= 1.0,

@@ -134,13 +134,16 @@ class ServiceModel:
         self.num_observations += 1
 
     def drain_time(self, prefill_tokens: int, decodes_now: int, decodes_after: int, budget: int,
-                   aim_s: float | None = None) -> float:
+                   aim_s: float | None = None, defer: bool = True) -> float:
         """Seconds to prefill `prefill_tokens` while the decodes sharing each step grow from
         `decodes_now` to `decodes_after` (each prompt that finishes starts decoding), in steps of
         at most `budget` tokens, decodes included, and, with `aim_s` (the step sizer's TPOT aim),
-        no longer than the aim. Integrated over `_DRAIN_PARTS` equal shares of the tokens, each at
-        the decode count of its middle: a share's tokens cost their own time plus their part of
-        a step's fixed cost, which is spread over fewer tokens as the decodes take the step."""
+        at a mean step time no longer than the aim: where a full step would run past it, decode-only
+        steps bank time for chunks as big as `StepSizer.defer` lets them grow (without `defer`,
+        every step at the aim).
+        Integrated over `_DRAIN_PARTS` equal shares of the tokens, each at the decode count of its
+        middle: a share's tokens cost their own time plus their part of a step's fixed cost, which
+        is spread over fewer tokens as the decodes take the step."""
         if prefill_tokens <= 0:
             return 0.0
         oh, fixed, ppt, dps = self.overhead_s, self.prefill_step_s, self.prefill_s_per_token, self.decode_s_per_seq
@@ -149,13 +152,21 @@ class ServiceModel:
         for k in range(parts):
             d = decodes_now + grow * (k + 0.5)
             per_step = budget - d
-            if aim_s is not None:
-                fits = (aim_s - oh - fixed - dps * d) / ppt  # prompt tokens a step at the aim holds
-                if fits < per_step:
-                    per_step = fits
+            decode_s = oh + dps * d
+            if aim_s is not None and decode_s + fixed + ppt * per_step > aim_s:  # a full step runs past the aim
+                at_aim = (aim_s - decode_s - fixed) / ppt  # prompt tokens a step at the aim holds
+                if defer and aim_s > decode_s:
+                    # StepSizer.defer banks decode-only steps until a chunk holds a bank's tokens x
+                    # (1 + fixed / decode step), where one more deferral stops paying; the tokens
+                    # pay for those steps too, at a mean step time of the aim.
+                    grown = (aim_s - decode_s) / ppt * (1.0 + fixed / decode_s) if decode_s > 0.0 else math.inf
+                    chunk = max(min(per_step, max(at_aim, grown)), _MIN_STEP_TOKENS)
+                    total += (fixed / chunk + ppt) * aim_s / (aim_s - decode_s)
+                    continue
+                per_step = at_aim
             if per_step < _MIN_STEP_TOKENS:
                 per_step = _MIN_STEP_TOKENS
-            total += (oh + fixed + dps * d) / per_step + ppt
+            total += (decode_s + fixed) / per_step + ppt
         return total * prefill_tokens / parts
 
 

@@ -11,8 +11,9 @@ Owns: `TtftPredictor`, the one prediction admission control, the regime detector
 - `prefill_s`: draining the prefill backlog (waiting prompts, unfinished chunks and, for a
   request's own TTFT, its prompt), the larger of two estimates: the fitted step model
   (`ServiceModel.drain_time`) with the decodes sharing each step growing by one for every
-  prompt that finishes ahead of the new one (up to the running cap), in steps no longer than
-  the step sizer's TPOT aim; and the backlog at the prefill speed measured while prompts were
+  prompt that finishes ahead of the new one (up to the running cap), at a mean step time no
+  longer than the step sizer's TPOT aim (counting the decode-only steps deferred prefill waits
+  for); and the backlog at the prefill speed measured while prompts were
   queued (`PrefillThroughput`). The measured speed is that of the decode mix it was measured
   with: at a burst's onset the decodes grow from a handful to dozens within a second, each
   prompt admitted ahead of a request takes part of every step its prefill shares, and with a
@@ -50,15 +51,15 @@ class TtftPredictor:
 
     def predict(self, now: float, backlog_tokens: int, num_decodes: int, slots_short: int, budget: int,
                 corrected: bool = True, batch_s: float = 0.0, decodes_after: int | None = None,
-                aim_s: float | None = None) -> float:
+                aim_s: float | None = None, defer: bool = True) -> float:
         """Seconds until `backlog_tokens` of prompts are computed (while the `num_decodes`
         decodes grow to `decodes_after`, in steps of at most `budget` tokens and, with `aim_s`, no
-        longer than the step sizer's aim), plus the wait for a batch slot when `slots_short`
-        requests more than the free room must leave the running batch first, plus `batch_s`,
+        longer than the step sizer's aim, on average with `defer`), plus the wait for a batch slot
+        when `slots_short` requests more than the free room must leave the running batch first, plus `batch_s`,
         what batch-class work in the step in flight adds before the next step."""
         load = self.load
         after = num_decodes if decodes_after is None else decodes_after
-        prefill_s = load.service.drain_time(backlog_tokens, num_decodes, after, budget, aim_s)
+        prefill_s = load.service.drain_time(backlog_tokens, num_decodes, after, budget, aim_s, defer)
         measured = load.prefill.rate(now)
         if measured is not None and backlog_tokens / measured > prefill_s:
             prefill_s = backlog_tokens / measured

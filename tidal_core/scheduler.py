@@ -205,7 +205,7 @@ class Scheduler:
         wanted = budget.tokens_left
         interactive_work = bool(waiting) or q.prefill_remaining > q.batch_prefill_remaining
         batch_work = lane is not None and (bool(q.batch) or q.batch_prefill_remaining > 0)
-        allowance = self.limits.prefill_allowance(now, n_dec) if interactive_work or batch_work else wanted
+        allowance = self.limits.prefill_allowance(now, n_dec, wanted) if interactive_work or batch_work else wanted
         if allowance < wanted:
             budget.tokens_left = int(max(0, allowance))
         self._had_backlog = interactive_work
@@ -227,7 +227,10 @@ class Scheduler:
         if not sched:
             raise AssertionError(f"nothing schedulable with {len(waiting)} waiting and {self.num_running} running")
         if budget.tokens_left <= 0 < wanted and allowance < wanted and interactive_work:
-            self.stats.tpot_limited_steps += 1
+            if self.limits.deferred:
+                self.stats.prefill_deferred_steps += 1
+            else:
+                self.stats.tpot_limited_steps += 1
         if lane is not None and q.num_batch_running:
             lane.started_step(now, batch_tokens, prefill_tokens, n_dec, self.load.service)
         preempted = [*yielded, *preempted] if yielded else preempted

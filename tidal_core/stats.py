@@ -13,7 +13,9 @@ Reason labels (stable; dashboards and alerts use them):
   `preempted_by_class`: the same preemptions by service class (interactive, batch);
   `preempted_by`: by (reason, service class), what the preemption metric exports
 - finished: stop, length, abort
-- `tpot_limited_steps`: steps whose prefill the TPOT governor cut (core/tpot.py)
+- `tpot_limited_steps`: steps whose prefill the step sizer cut (core/step_sizer.py)
+- `prefill_deferred_steps`: decode-only steps the step sizer chose so the next chunk is bigger
+  (`StepSizer.defer`)
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """
@@ -79,6 +81,7 @@ class SchedulerStats:
     finished: Counter[str] = field(default_factory=Counter)
     wait_s_total: float = 0.0
     tpot_limited_steps: int = 0
+    prefill_deferred_steps: int = 0
     # Prefix cache, counted at every admission (a request resumed after preemption queries again):
     # tokens the admitted requests needed KV for, the tokens found cached, and the requests.
     prefix_cache_query_tokens: int = 0

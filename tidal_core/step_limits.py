@@ -35,7 +35,7 @@ _OVERLOAD = Regime.OVERLOAD  # a module global: an enum class's attribute lookup
 
 
 class StepLimits:
-    __slots__ = ("_max_batch_size", "_prefill_cap", "_pressure_s", "load", "queues", "regime",
+    __slots__ = ("_defer", "_max_batch_size", "_prefill_cap", "_pressure_s", "deferred", "load", "queues", "regime",
                  "running_cap", "sizer")
 
     def __init__(self, config: SchedulerConfig, queues: UnitQueues, load: LoadEstimator, regime: RegimeDetector,
@@ -46,7 +46,9 @@ class StepLimits:
         self._max_batch_size = config.max_batch_size
         self._prefill_cap = config.max_prefill_tokens or math.inf
         self._pressure_s = sizing.pressure_fraction * adm.target_ttft_s
+        self._defer = sizing.defer
         self.running_cap = config.max_batch_size
+        self.deferred = False  # the last prefill_allowance deferred the step's prefill
         self.refresh()
 
     def refresh(self) -> None:
@@ -57,13 +59,35 @@ class StepLimits:
             self.load.batch_cap = cap
         self.running_cap = cap
 
-    def prefill_allowance(self, now: float, num_decodes: int) -> float:
-        """Prompt tokens the next step may hold beside `num_decodes` decodes (inf: no limit)."""
+    def prefill_allowance(self, now: float, num_decodes: int, wanted: float = math.inf) -> float:
+        """Prompt tokens the next step may hold beside `num_decodes` decodes (inf: no limit), of
+        the `wanted` its token budget leaves; 0 when the sizer defers the prefill to a bigger
+        chunk after a decode-only step (`deferred` is then True)."""
+        self.deferred = False
         if self.sizer is None:
             return self._prefill_cap
         over = self.regime.regime is _OVERLOAD
         pressure = now - self.queues.oldest_arrival_s() >= self._pressure_s
-        return min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, num_decodes, pressure, over))
+        allowance = min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, num_decodes, pressure, over))
+        q = self.queues
+        demand = min(wanted, self._prefill_cap, q.waiting_tokens + q.prefill_remaining)
+        # Only a chunk that would not finish the oldest prompt is worth deferring: one that
+        # does gives that request its first token now.
+        if self._defer and allowance < demand and allowance < self._head_need() and \
+                self.sizer.defer(self.load.service, num_decodes, allowance, demand):
+            self.deferred = True
+            return 0
+        return allowance
+
+    def _head_need(self) -> int:
+        """Prompt tokens the oldest prompt still needs (prefilling first, then the queue's head)."""
+        q = self.queues
+        for req in q.prefilling.values():
+            return req.num_tokens - req.num_computed_tokens
+        if q.waiting:
+            req = q.waiting[0]
+            return req.num_tokens - req.expected_cached_tokens
+        return 0
 
     def room(self, num_running: int) -> float:
         """How many more requests may start running: bounded by the cap only under the sizer
