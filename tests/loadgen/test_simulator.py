@@ -139,7 +139,7 @@ def test_the_fleet_scales_on_a_hot_unit_s_step_time_not_only_its_arrival_rate(co
     Deferred prefill (`step_sizing.defer`) is off for the same reason: the TTFT prediction then
     counts the decode-only steps that bank for a full chunk, which near the TPOT target tips the
     unit into OVERLOAD sooner, so the rate signal too adds the unit within minutes (2.56 GPU-hours
-    at 0.925 attainment, against 2.85 at 0.949 with the step-time signal)."""
+    at 0.927 attainment, against 2.85 at 0.949 with the step-time signal)."""
     from loadgen.sim.study import constant_trace
 
     steady = constant_trace(2.0, 12.0, seed=5, max_len=8192)
