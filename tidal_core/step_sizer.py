@@ -142,9 +142,11 @@ class StepSizer:
         """True if this step should hold no prefill: a decode-only step now, then a chunk bigger
         by what it banks, computes the `demand` (the prompt tokens this step could take) faster
         than `allowance` tokens now. Every prefill step pays a fixed cost and the decodes' time,
-        so chunks the banks cut small waste the GPU: with 8 decodes on an A100 70B unit, a step
-        at the aim holds ~200 prompt tokens in 95 ms where two steps (a decode-only one, then
-        one chunk) hold ~600 in 190 ms. The decodes' mean interval stays at the aim either way.
+        so chunks the banks cut small waste the GPU: by the A100 70B cost model's step times, with
+        8 decodes a step at the aim holds ~200 prompt tokens in 95 ms where two steps (a
+        decode-only one, then one chunk) hold ~600 in 190 ms. The decodes' mean interval stays at
+        the aim either way. Decided with the learned linear model `svc`: with any positive fixed
+        prefill cost it defers at least once from an empty bank.
         Deferring again needs the banks to have grown by at least half the modelled gain (a host
         slower than the model would otherwise defer for ever)."""
         expected, self._defer_expect = self._defer_expect, (-1, 0.0)
