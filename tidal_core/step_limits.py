@@ -69,14 +69,15 @@ class StepLimits:
         over = self.regime.regime is _OVERLOAD
         pressure = now - self.queues.oldest_arrival_s() >= self._pressure_s
         allowance = min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, num_decodes, pressure, over))
-        q = self.queues
-        demand = min(wanted, self._prefill_cap, q.waiting_tokens + q.prefill_remaining)
-        # Only a chunk that would not finish the oldest prompt is worth deferring: one that
-        # does gives that request its first token now.
-        if self._defer and allowance < demand and allowance < self._head_need() and \
-                self.sizer.defer(self.load.service, num_decodes, allowance, demand):
-            self.deferred = True
-            return 0
+        if self._defer and allowance < wanted:
+            q = self.queues
+            demand = min(wanted, self._prefill_cap, q.waiting_tokens + q.prefill_remaining)
+            # Only a chunk that would not finish the oldest prompt is worth deferring: one that
+            # does gives that request its first token now.
+            if allowance < demand and allowance < self._head_need() and \
+                    self.sizer.defer(self.load.service, num_decodes, allowance, demand):
+                self.deferred = True
+                return 0
         return allowance
 
     def _head_need(self) -> int:

@@ -150,16 +150,15 @@ class StepSizer:
         Deferring again needs the banks to have grown by at least half the modelled gain (a host
         slower than the model would otherwise defer for ever)."""
         expected, self._defer_expect = self._defer_expect, (-1, 0.0)
-        if expected[0] == self.decode_steps and allowance < expected[1]:
+        if allowance >= demand or num_decodes == 0 or (expected[0] == self.decode_steps and allowance < expected[1]):
             return False
-        now_tokens = allowance if allowance < demand else demand
         decode_s = svc.step_time(0, num_decodes)
         gain = self.aim_s - decode_s
-        if now_tokens >= demand or gain <= 0.0 or num_decodes == 0:
+        if gain <= 0.0:
             return False
         banked = gain / svc.prefill_s_per_token
         later = min(allowance + banked, demand)
-        if later * svc.step_time(int(now_tokens), num_decodes) <= now_tokens * (
+        if later * svc.step_time(int(allowance), num_decodes) <= allowance * (
                 decode_s + svc.step_time(int(later), num_decodes)):
             return False
         self._defer_expect = (self.decode_steps + 1, allowance + 0.5 * banked)

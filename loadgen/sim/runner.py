@@ -85,16 +85,22 @@ class RunSpec:
     batch_due_s: float | None = None  # the backlog's due time (None: the trace's end)
 
 
-def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:
+def sim_config(spec: RunSpec, policy: str) -> SimConfig:
+    """The simulator's configuration for `policy` on `spec`: the preset (or the exact scheduler),
+    its admission targets following the SLO, then `spec.overrides`."""
     # The admission targets follow the SLO, so the adaptive policy protects what is measured.
     cfg = spec.scheduler or preset(policy, spec.base)
     if spec.scheduler is None and (cfg.admission.enabled or cfg.step_sizing.enabled):
         cfg = dataclasses.replace(cfg, admission=dataclasses.replace(cfg.admission, target_ttft_s=spec.slo.ttft_s,
                                                                      target_tpot_s=spec.slo.tpot_s))
     cfg = apply_overrides(cfg, spec.overrides)  # `tidal simulate --set`: last, so any field can change
-    config = SimConfig(cfg, executor_factory(spec.cost_model), spec.slo, num_units=spec.units,
-                       gpus_per_unit=spec.cost_model.tp, autoscale=spec.autoscale, provisioning_s=spec.provisioning_s,
-                       seed=spec.seed, retries=spec.retries, routing=spec.routing, batch_ids=spec.batch_ids)
+    return SimConfig(cfg, executor_factory(spec.cost_model), spec.slo, num_units=spec.units,
+                     gpus_per_unit=spec.cost_model.tp, autoscale=spec.autoscale, provisioning_s=spec.provisioning_s,
+                     seed=spec.seed, retries=spec.retries, routing=spec.routing, batch_ids=spec.batch_ids)
+
+
+def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:
+    config = sim_config(spec, policy)
     bar = tqdm(total=len(spec.trace), desc=f"{policy:>10}", unit="req", disable=not progress, leave=False,
                mininterval=1.0)
     t0 = time.perf_counter()
