@@ -65,11 +65,12 @@ def _ratio(a: Any, b: Any) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def part_unit(cost: CostModel, hours: float, rate: float, slo: Slo) -> dict[str, Any]:
-    base = unit_config(cost)
+def part_unit(cost: CostModel, hours: float, rate: float, slo: Slo, overrides: dict[str, str] | None = None
+              ) -> dict[str, Any]:
+    base, extra = unit_config(cost), overrides or {}
     trace = load_trace("mooncake-conv", hours=hours, rate_scale=rate, seed=0).clipped(8191, 8191)
-    off = run_policy(RunSpec(trace, base, cost, slo), "adaptive", progress=False)
-    on = run_policy(RunSpec(trace, base, cost, slo, overrides={"enable_prefix_caching": "true"}), "adaptive",
+    off = run_policy(RunSpec(trace, base, cost, slo, overrides=extra), "adaptive", progress=False)
+    on = run_policy(RunSpec(trace, base, cost, slo, overrides={**extra, "enable_prefix_caching": "true"}), "adaptive",
                     progress=False)
     a, b = _row(on), _row(off)
     return {"trace": trace.name, "requests": len(trace), "rate_scale": rate, "off": b, "on": a,
@@ -79,10 +80,11 @@ def part_unit(cost: CostModel, hours: float, rate: float, slo: Slo) -> dict[str,
             "hit_rate_vs_ideal_served": _ratio(a["hit_rate"], a["ideal_hit_rate_served"])}
 
 
-def part_fleet(cost: CostModel, hours: float, rate: float, units: int, slo: Slo) -> dict[str, Any]:
+def part_fleet(cost: CostModel, hours: float, rate: float, units: int, slo: Slo,
+               overrides: dict[str, str] | None = None) -> dict[str, Any]:
     base = unit_config(cost)
     trace = load_trace("mooncake-conv", hours=hours, rate_scale=rate, seed=0).clipped(8191, 8191)
-    cache = {"enable_prefix_caching": "true"}
+    cache = {**(overrides or {}), "enable_prefix_caching": "true"}
     out: dict[str, Any] = {"trace": trace.name, "requests": len(trace), "rate_scale": rate, "units": units}
     for routing in ("load", "prefix"):
         spec = RunSpec(trace, base, cost, slo, units=units, overrides=cache, routing=routing)
@@ -102,8 +104,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--cycles", type=int, default=2000)
     ap.add_argument("--cost-model", default="a100-llama70b-tp8")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="scheduler overrides for every simulated run (as `tidal simulate --set`)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    overrides = dict(kv.split("=", 1) for kv in args.set)
     parts = args.part or ["scheduler", "unit", "fleet"]
     slo = Slo(1.0, 0.1)
     cost = CostModel.load(args.cost_model)
@@ -113,11 +118,11 @@ def main() -> int:
         print(json.dumps(result["scheduler"]["ratio_vs_off"]), flush=True)
     for rate in args.rate or [0.3, 1.0]:
         if "unit" in parts:
-            unit = result.setdefault("unit", {})[str(rate)] = part_unit(cost, args.hours, rate, slo)
+            unit = result.setdefault("unit", {})[str(rate)] = part_unit(cost, args.hours, rate, slo, overrides)
             print(json.dumps({k: v for k, v in unit.items() if k not in ("on", "off")}), flush=True)
         if "fleet" in parts:
             fleet = result.setdefault("fleet", {})[str(rate)] = part_fleet(
-                cost, args.hours, rate * args.fleet_rate_factor, args.fleet_units, slo)
+                cost, args.hours, rate * args.fleet_rate_factor, args.fleet_units, slo, overrides)
             print(json.dumps({k: v for k, v in fleet.items() if k not in ("load", "prefix")}), flush=True)
     text = json.dumps(result, indent=1)
     if args.out:

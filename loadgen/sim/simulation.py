@@ -237,7 +237,11 @@ def simulate(trace: Trace, config: SimConfig, progress: Callable[[int], None] | 
 
 def _merge_counters(scheds: list[Scheduler]) -> dict[str, Counter[str]]:
     merged: dict[str, Counter[str]] = {k: Counter() for k in ("dispatch", "waits", "rejected", "preempted", "finished")}
+    steps: Counter[str] = Counter()
     for s in scheds:
         for key, counter in merged.items():
             counter.update(getattr(s.stats, key))
+        steps.update({"total": s.stats.num_steps, "tpot_limited": s.stats.tpot_limited_steps,
+                      "prefill_deferred": s.stats.prefill_deferred_steps})
+    merged["steps"] = steps
     return merged

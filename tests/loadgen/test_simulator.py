@@ -152,3 +152,14 @@ def test_the_fleet_scales_on_a_hot_unit_s_step_time_not_only_its_arrival_rate(co
     one_unit = cost.tp * 12.0 / 60.0
     assert rate_only["gpu_hours"] < 1.5 * one_unit < with_tpot["gpu_hours"] <= 2 * one_unit
     assert with_tpot["slo_attainment"] > rate_only["slo_attainment"] + 0.03
+
+
+def test_the_counters_report_the_steps_the_sizer_deferred(cost: CostModel, trace: Trace) -> None:
+    """Deferred prefill shows in the simulator's step counters, and deferring off defers nothing."""
+    steps = {}
+    for defer in ("true", "false"):
+        spec = RunSpec(trace, unit_config(cost), cost, Slo(), overrides={"step_sizing.defer": defer})
+        steps[defer] = run_policy(spec, "adaptive", progress=False).run.counters["steps"]
+    assert 0 < steps["true"]["prefill_deferred"] < steps["true"]["total"]
+    assert steps["false"]["prefill_deferred"] == 0 < steps["false"]["total"]
+    assert steps["false"]["tpot_limited"] > 0
