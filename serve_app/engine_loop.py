@@ -171,7 +171,7 @@ class EngineLoop:
         self._wake.set()
         try:
             if gen.report_load:  # the admission verdict, at once (the first token may be seconds away)
-                yield GenerateChunk(load=self.load(now), waited_s=waited)
+                yield GenerateChunk(num_prompt_tokens=req.num_prompt_tokens, load=self.load(now), waited_s=waited)
             async for chunk in self._drain(stream):
                 yield chunk
         finally:

@@ -35,10 +35,13 @@ request on the way), and adds it to the response (`UNIT_WAITED`), from which the
 learns the whole way. The work let through cannot start before it arrives, and on a small box in
 a burst the way is what set the slowest 429s (tidal_core/front_admission.py).
 
-The request's prompt is estimated from the body's size (`Content-Length` / `BYTES_PER_TOKEN`, a
-deliberately low estimate: English text averages about 4-5 characters per token, and the JSON
-around it adds bytes), so the gate does not refuse a request its unit would have admitted for its
-own prefill's sake.
+The request's prompt is estimated from the body's size (`Content-Length`), at the bytes per token
+the verdicts taught (`PromptSizeModel`: each verdict also says how many tokens its request's
+prompt held; the Ingress's gate passes that on as `PROMPT_TOKENS`, from which the proxy's gate
+learns too). It was a fixed, deliberately low 6 bytes a token, so that the gate would not refuse a
+request its unit would have admitted for its own prefill's sake; but in a burst the prompts of
+the dozens let through before any verdict add up, and their shortfall let through requests the
+unit then refused after their whole way there (docs/reliability.md, section 6).
 
 Must not import: torch, transformers.
 """
@@ -65,11 +68,10 @@ from serve_app.openai.arrival_stamp import mark_arrival
 from serve_app.openai.errors import OpenAIError
 from serve_app.openai.http_limits import JSON_ENDPOINTS, error_response
 from tidal_core import AdmissionConfig, UnitLoad
-from tidal_core.front_admission import FrontAdmission, FrontRefusal, OnTheWay, PathModel, Sighting
+from tidal_core.front_admission import FrontAdmission, FrontRefusal, OnTheWay, PathModel, PromptSizeModel, Sighting
 from tidal_core.retry_spread import RetrySpread
 
 logger = logging.getLogger(__name__)
-BYTES_PER_TOKEN = 6
 POLL_PERIOD_S = 0.1
 IDLE_POLL_PERIOD_S = 1.0  # between polls while no request comes through the gate
 POLL_TIMEOUT_S = 1.0
@@ -81,14 +83,16 @@ PENDING_FOR_S = 5.0  # a request let through counts as pending at most this long
 class _Ticket:
     """A request let through, not yet seen by its unit: its estimated prompt tokens, when it left,
     how long it had waited then (since the proxy's arrival stamp), how many requests were on the
-    way with it (itself included) and, once its unit's verdict came, how long it had waited when
-    the unit received it."""
+    way with it (itself included), its body's bytes and, once its unit's verdict came, how long it
+    had waited when the unit received it and how many tokens its prompt held."""
 
     tokens: int
     sent_s: float
     waited_s: float = 0.0
     on_the_way: int = 1
+    body_bytes: int = 0
     unit_waited_s: float | None = None
+    prompt_tokens: int | None = None
 
 
 _TICKET: contextvars.ContextVar[_Ticket | None] = contextvars.ContextVar("tidal_front_ticket", default=None)
@@ -130,16 +134,18 @@ class FrontGate:
         # (prompt estimate, when it was let through), in order
         self._sent: collections.deque[tuple[int, float]] = collections.deque(maxlen=4096)
         self.path = PathModel()  # how long the way to the units takes (learned from the units' verdicts)
+        self.sizes = PromptSizeModel()  # a prompt's tokens from its body's bytes (learned from the same)
         self._num_sent = 0
         self._num_skipped = 0  # answered without reaching a unit (the ingress refused them, a 400...)
         self._arrived: dict[str, tuple[int, int]] = {}  # unit -> (num_arrived when first seen, latest)
 
     # ---- snapshots ------------------------------------------------------------------------
-    def observe(self, load: UnitLoad, unit_waited_s: float | None = None) -> None:
+    def observe(self, load: UnitLoad, unit_waited_s: float | None = None, prompt_tokens: int | None = None) -> None:
         """A unit's snapshot, just received (from its verdict on a request, or from the poll); in
-        a request's context, that request is no longer pending: the snapshot holds it, and
-        `unit_waited_s` (how long it had waited when the unit received it) teaches the path model."""
-        self._learn_path(unit_waited_s)
+        a request's context, that request is no longer pending: the snapshot holds it,
+        `unit_waited_s` (how long it had waited when the unit received it) teaches the path model
+        and `prompt_tokens` (its prompt's tokens, as the unit counted them) the prompt size model."""
+        self._learn(unit_waited_s, prompt_tokens)
         self.release()
         now = self.clock()
         self.sightings[load.unit_id] = Sighting(load, now)
@@ -217,7 +223,7 @@ class FrontGate:
         if self._closed is not None and (closed := self._closed()) is not None:
             return closed
         now = self.clock()
-        tokens = body_bytes // BYTES_PER_TOKEN
+        tokens = self.sizes.tokens(body_bytes)
         way = self._on_the_way(now)
         verdict = self.admission.check(self.sightings.values(), now, tokens, waited_s, way)
         if verdict is not None:
@@ -228,7 +234,7 @@ class FrontGate:
         if self.count_arrivals:
             self._sent.append((tokens, now))
             self._num_sent += 1
-        ticket = _Ticket(tokens, now, waited_s, way.requests + 1)
+        ticket = _Ticket(tokens, now, waited_s, way.requests + 1, body_bytes)
         self._pending.add(ticket)
         _TICKET.set(ticket)
         return None
@@ -240,20 +246,28 @@ class FrontGate:
             self._pending.discard(ticket)
             _TICKET.set(None)
 
-    def answered(self, reached_a_unit: bool, unit_waited_s: float | None = None) -> None:
+    def answered(self, reached_a_unit: bool, unit_waited_s: float | None = None,
+                 prompt_tokens: int | None = None) -> None:
         """With `count_arrivals`: the current request's response starts; it ends its pending time
         (`release`), and one that never reached a unit will never show in its arrival counter.
-        `unit_waited_s`: how long it had waited when its unit received it (`UNIT_WAITED`)."""
+        `unit_waited_s`: how long it had waited when its unit received it (`UNIT_WAITED`);
+        `prompt_tokens`: its prompt's tokens (`PROMPT_TOKENS`)."""
         if _TICKET.get() is not None and not reached_a_unit:
             self._num_skipped += 1
-        self._learn_path(unit_waited_s)
+        self._learn(unit_waited_s, prompt_tokens)
         self.release()
 
-    def _learn_path(self, unit_waited_s: float | None) -> None:
+    def _learn(self, unit_waited_s: float | None, prompt_tokens: int | None) -> None:
+        """What the current request's verdict tells of the way to the units and of its prompt (once each)."""
         ticket = _TICKET.get()
-        if ticket is not None and unit_waited_s is not None and ticket.unit_waited_s is None:
+        if ticket is None:
+            return
+        if unit_waited_s is not None and ticket.unit_waited_s is None:
             ticket.unit_waited_s = unit_waited_s
             self.path.observe(unit_waited_s - ticket.waited_s, ticket.on_the_way)
+        if prompt_tokens and ticket.prompt_tokens is None:
+            ticket.prompt_tokens = prompt_tokens
+            self.sizes.observe(ticket.body_bytes, prompt_tokens)
 
     def in_flight(self) -> int:
         """With `count_arrivals`: requests let through that no unit has reported receiving yet (other
@@ -329,6 +343,9 @@ REFUSED_BY = "x-tidal-refused-by"  # on a 429 / 503: where it was decided (proxy
 # On a response to a request its unit gave a verdict on: how long the request had waited (since
 # the proxy's arrival stamp) when the unit received it; the proxy's gate learns its path from it.
 UNIT_WAITED = "x-tidal-unit-waited-ms"
+# On the same responses: the prompt's tokens as its unit counted them; the proxy's gate learns the
+# bytes of request body per prompt token from it.
+PROMPT_TOKENS = "x-tidal-prompt-tokens"
 
 
 def gate_headers(gate: FrontGate | None, err: OpenAIError, where: str) -> dict[str, str]:
@@ -369,9 +386,14 @@ class FrontGateMiddleware:
             ticket = _TICKET.get()
 
             async def send_with_wait(message: Message) -> None:
-                if message["type"] == "http.response.start" and ticket is not None and ticket.unit_waited_s is not None:
-                    wait = (UNIT_WAITED.encode(), f"{ticket.unit_waited_s * 1e3:.1f}".encode())
-                    message = {**message, "headers": [*message.get("headers", []), wait]}
+                if message["type"] == "http.response.start" and ticket is not None:
+                    extra = []
+                    if ticket.unit_waited_s is not None:
+                        extra.append((UNIT_WAITED.encode(), f"{ticket.unit_waited_s * 1e3:.1f}".encode()))
+                    if ticket.prompt_tokens:
+                        extra.append((PROMPT_TOKENS.encode(), str(ticket.prompt_tokens).encode()))
+                    if extra:
+                        message = {**message, "headers": [*message.get("headers", []), *extra]}
                 await send(message)
 
             try:

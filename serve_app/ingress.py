@@ -229,10 +229,11 @@ class HandleEngineClient:
     RECOVERING_RETRY_AFTER_S = 5.0
 
     def __init__(self, router: DeploymentHandle[Any], model_info: ModelInfo,
-                 on_load: Callable[[UnitLoad, float | None], None] | None = None) -> None:
+                 on_load: Callable[[UnitLoad, float | None, int], None] | None = None) -> None:
         self._router = router
         self.model_info = model_info
-        # each unit's snapshot and its request's wait, as its verdicts bring them (the front gate's feed)
+        # each unit's snapshot, its request's wait and prompt tokens, as its verdicts bring them (the
+        # front gate's feed)
         self.on_load = on_load
         self.recovering = False
         self._probe: asyncio.Task[None] | None = None  # a strong reference keeps the task alive
@@ -261,7 +262,7 @@ class HandleEngineClient:
         try:
             async for chunk in response:
                 if chunk.load is not None and self.on_load is not None:
-                    self.on_load(chunk.load, chunk.waited_s)
+                    self.on_load(chunk.load, chunk.waited_s, chunk.num_prompt_tokens)
                     if not chunk.token_ids and chunk.finish_reason is None and chunk.error is None:
                         continue  # the admission verdict's snapshot alone: nothing to render
                 finished = chunk.finish_reason is not None or chunk.error is not None

@@ -24,7 +24,8 @@ units' own arrival counters (`UnitLoad.num_arrived`): let through, less received
 first saw each unit, less those answered without reaching one (refused by the ingress: its
 `x-tidal-refused-by`; a 400), and never more than the requests still open. The time the way to a
 unit takes is learned from the Ingress's `x-tidal-unit-waited-ms` on each response (how long the
-request had waited since this proxy's stamp when its unit received it). However congested the
+request had waited since this proxy's stamp when its unit received it), and the bytes of body per
+prompt token from its `x-tidal-prompt-tokens` (the prompt's tokens as its unit counted them). However congested the
 path from here to the unit, they count until they arrive (a time horizon would open the gate
 exactly when the path is slowest), and none counts past its end.
 
@@ -51,7 +52,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve_app.api_keys import KeySet
 from serve_app.auth import INVALID_KEY, UNAUTHORIZED_HEADERS, presented_key
-from serve_app.front_gate import REFUSED_BY, UNIT_WAITED, FrontGate, gate_headers, refusal_counter
+from serve_app.front_gate import PROMPT_TOKENS, REFUSED_BY, UNIT_WAITED, FrontGate, gate_headers, refusal_counter
 from serve_app.openai.arrival_stamp import ArrivalKey, restamp
 from serve_app.openai.http_limits import JSON_ENDPOINTS, error_response
 
@@ -109,8 +110,10 @@ class ProxyGateMiddleware:
             if message["type"] == "http.response.start":  # the unit's verdict, or none came
                 status = int(message.get("status", 0))
                 headers = Headers(raw=list(message.get("headers", [])))
+                tokens = headers.get(PROMPT_TOKENS, "")
                 gate.answered(reached_a_unit=status == 200 or headers.get(REFUSED_BY) == "unit",
-                              unit_waited_s=_seconds(headers.get(UNIT_WAITED)))
+                              unit_waited_s=_seconds(headers.get(UNIT_WAITED)),
+                              prompt_tokens=int(tokens) if tokens.isdigit() else None)
             await send(message)
 
         try:

@@ -3,7 +3,8 @@
 Owns: `FrontAdmission` (the verdict on one new request from the latest `UnitLoad` of each unit
 and how old each is), `Sighting` (a snapshot and when the front end received it), `OnTheWay`
 (what the front end let through that no snapshot holds yet), `PathModel` (how long the way to a
-unit takes), `price_per_token` and `FrontRefusal`. The front end (Serve's proxy, the ingress)
+unit takes), `PromptSizeModel` (a prompt's tokens from its body's bytes), `price_per_token` and
+`FrontRefusal`. The front end (Serve's proxy, the ingress)
 decides before any queue of its own, of Serve's or of a unit holds the request, and before
 tokenizing: every rule reads the units' state only, so a request refused here costs no
 tokenizer work and no hop to a unit.
@@ -26,15 +27,19 @@ final authority for every request let through:
   steps that prefill the ones behind it;
 - `kv_pressure`: KV usage was at `kv_reject_usage` with requests waiting for room.
 
-Two estimates make the prediction: the prompt's tokens, from the body's size (deliberately low),
-and the way to the unit (`PathModel`: learned from the units' verdicts, which say how long each
-request had waited when it arrived). Without the way, the front end's prediction was a lower
-bound of the unit's and it refused only what the unit would refuse; but in a burst into an idle
-unit the first requests took 0.06-0.5 s to arrive on a small box, the unit counted that time,
-and the requests the front end let through at the edge of the limit were refused by the unit
-after the full round trip: the slowest 429s of a burst (docs/reliability.md, section 6). With
-the way counted, a request whose way runs faster than learned may be refused where the unit
-would have admitted it, by the margin of that difference.
+Two estimates make the prediction, each learned from the units' verdicts: the prompt's tokens,
+from the body's size (`PromptSizeModel`: each verdict says how many tokens its request's prompt
+held), and the way to the unit (`PathModel`: each verdict says how long its request had waited
+when it arrived). Without the way, the front end's prediction was a lower bound of the unit's
+and it refused only what the unit would refuse; but in a burst into an idle unit the first
+requests took 0.06-0.5 s to arrive on a small box, the unit counted that time, and the requests
+the front end let through at the edge of the limit were refused by the unit after the full round
+trip: the slowest 429s of a burst (docs/reliability.md, section 6). The prompts had the same
+effect: estimated deliberately low (6 bytes a token), the hundreds let through before any verdict
+came back were priced 15% or more under what the unit then counted. Both estimates are now meant
+to be right on average, so a request whose way runs faster, or whose prompt is shorter, than
+learned may be refused where the unit would have admitted it, by the margin of that difference;
+in a burst the unit's queue is filled by the requests behind it all the same.
 
 A snapshot older than `max_age_s` (5 s) is not believed (no verdict); a younger one is aged: its
 queue drains in real time, so a busy snapshot refuses only while the queue it saw could not be
@@ -68,7 +73,12 @@ DEFAULT_MAX_AGE_S = 5.0  # aged by the drain, a busy snapshot keeps refusing unt
 _PROBE_TOKENS = 1024
 BURST_REQUESTS = 16  # the burst probe: this many prompts of `_BURST_PROMPT_TOKENS` arriving together
 _BURST_PROMPT_TOKENS = 256
-PATH_PRIOR_S = 0.01  # `PathModel`'s time per request on the way before any verdict
+# `PathModel`'s time per request on the way before any verdict: what one request's way takes on an idle
+# 2-core box, through Serve's proxy and the Ingress to the unit (15-22 ms, docs/reliability.md section 6)
+PATH_PRIOR_S = 0.02
+# `PromptSizeModel`'s bytes of request body per prompt token before any verdict: English chat text runs
+# at about 4 characters a token with Llama-class tokenizers, and the JSON around it adds a few percent
+PROMPT_BYTES_PER_TOKEN = 4.5
 
 
 def ttft_limit_s(cfg: AdmissionConfig, regime: Regime) -> float:
@@ -144,8 +154,9 @@ class PathModel:
     how long its request had waited since the front end let it through), as an exponentially
     weighted mean of that time per request on the way (`gain`: the weight of the newest), from
     `prior_s`: what a burst into a fresh server meets before any verdict came back. The default
-    prior, 10 ms, is about what Serve's proxy spends per request it forwards on a small box
-    (docs/reliability.md, section 6); on a faster one the first verdicts take it down.
+    prior, 20 ms, is what one request's way takes on an idle 2-core box (docs/reliability.md,
+    section 6), so a server that has served light traffic has learned about the same; on a
+    faster box the first verdicts take it down.
     One request's way counts for at most `outlier_factor` times the mean: a client that uploads
     its body slowly waits long before its unit sees it (the proxy stamps the request's start),
     and one such request must not make the gates refuse everyone's for the next dozens of
@@ -173,6 +184,46 @@ class PathModel:
 
     def path_s(self, on_the_way: int) -> float:
         return self.per_request_s * max(1, on_the_way)
+
+
+class PromptSizeModel:
+    """How many prompt tokens a request body of so many bytes holds: the front end decides before
+    it parses or tokenizes a body, from `Content-Length` alone. Learned from the units' verdicts
+    (each says how many tokens its request's prompt held, chat template included) as the ratio of
+    exponentially weighted sums of bytes and of tokens (`gain`: the weight of the newest), so the
+    bytes of the prompts let through together are turned into about the tokens the unit will
+    count (a ratio of sums weighs a long prompt by its length, which is what its prefill costs).
+    Before any verdict, `prior_bytes_per_token` (4.5: English chat text with a Llama-class
+    tokenizer, the JSON around it included); a body whose tokens a verdict gives as fewer than
+    one per `max_bytes_per_token` bytes (a large field that is not the prompt) counts as that."""
+
+    __slots__ = ("_bytes", "_tokens", "gain", "max_bytes_per_token", "num_observed")
+    _PRIOR_TOKENS = 512.0  # the prior weighs as one verdict on a prompt of this size
+
+    def __init__(self, gain: float = 0.1, prior_bytes_per_token: float = PROMPT_BYTES_PER_TOKEN,
+                 max_bytes_per_token: float = 64.0) -> None:
+        if not 0.0 < gain <= 1.0 or not 0.0 < prior_bytes_per_token <= max_bytes_per_token:
+            raise ValueError(f"prompt size model gain={gain} must be in (0, 1] and prior_bytes_per_token="
+                             f"{prior_bytes_per_token} in (0, max_bytes_per_token={max_bytes_per_token}]")
+        self.gain, self.max_bytes_per_token, self.num_observed = gain, max_bytes_per_token, 0
+        self._tokens = self._PRIOR_TOKENS
+        self._bytes = self._PRIOR_TOKENS * prior_bytes_per_token
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self._bytes / self._tokens
+
+    def observe(self, body_bytes: int, prompt_tokens: int) -> None:
+        """A unit counted `prompt_tokens` in the prompt of a request whose body had `body_bytes`."""
+        if body_bytes <= 0 or prompt_tokens <= 0:
+            return
+        g = self.gain
+        self._bytes += g * (min(body_bytes, prompt_tokens * self.max_bytes_per_token) - self._bytes)
+        self._tokens += g * (prompt_tokens - self._tokens)
+        self.num_observed += 1
+
+    def tokens(self, body_bytes: int) -> int:
+        return int(body_bytes * self._tokens / self._bytes) if body_bytes > 0 else 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,9 +20,11 @@ from tidal_core import (
 )
 from tidal_core.front_admission import (
     BURST_REQUESTS,
+    PROMPT_BYTES_PER_TOKEN,
     FrontAdmission,
     OnTheWay,
     PathModel,
+    PromptSizeModel,
     Sighting,
     price_per_token,
     published_load,
@@ -216,7 +218,7 @@ def test_the_burst_price_follows_the_units_own_prediction_for_prompts_arriving_t
 
 def test_the_path_model_learns_the_time_per_request_on_the_way() -> None:
     path = PathModel(gain=0.5, prior_s=0.01)
-    assert path.path_s(5) == pytest.approx(0.05)  # nothing learned: the prior, 10 ms per request on the way
+    assert path.path_s(5) == pytest.approx(0.05)  # nothing learned: its prior, 10 ms per request on the way
     path.observe(0.3, on_the_way=10)  # 30 ms per request on the way: halfway there
     assert path.path_s(1) == pytest.approx(0.02) and path.path_s(10) == pytest.approx(0.2)
     path.observe(0.04, on_the_way=1)  # halfway to 40 ms
@@ -227,6 +229,29 @@ def test_the_path_model_learns_the_time_per_request_on_the_way() -> None:
     assert PathModel(prior_s=0.0).path_s(100) == 0.0
     with pytest.raises(ValueError, match="gain=0"):
         PathModel(gain=0.0)
+
+
+def test_the_prompt_size_model_learns_the_bytes_of_body_per_prompt_token() -> None:
+    """Before any verdict, the prior; then the ratio of the weighted sums of bytes and tokens, so a
+    mix of short and long prompts is turned into about the tokens the unit will count in all (a
+    short prompt's JSON overhead does not inflate a long one's estimate); a body much larger than
+    its prompt counts at the cap."""
+    sizes = PromptSizeModel(gain=0.1)
+    assert sizes.bytes_per_token == pytest.approx(PROMPT_BYTES_PER_TOKEN) and sizes.tokens(900) == 200
+    assert sizes.tokens(0) == 0
+    mix = [(300, 40), (2600, 520)] * 60  # (bytes, tokens): 7.5 and 5 bytes a token, 5.18 over both
+    for body, tokens in mix:
+        sizes.observe(body, tokens)
+    assert sizes.bytes_per_token == pytest.approx(2900 / 560, rel=0.03)
+    assert sum(sizes.tokens(b) for b, _ in mix) == pytest.approx(sum(t for _, t in mix), rel=0.03)
+    sizes.observe(-1, 10)
+    sizes.observe(100, 0)  # nothing to learn from
+    assert sizes.num_observed == len(mix)
+    huge = PromptSizeModel(gain=1.0)
+    huge.observe(1_000_000, 10)  # a body of 1 MB around a 10-token prompt: 64 bytes a token at most
+    assert huge.bytes_per_token == pytest.approx(64.0)
+    with pytest.raises(ValueError, match="prior_bytes_per_token=0"):
+        PromptSizeModel(prior_bytes_per_token=0.0)
 
 
 def test_one_slow_request_does_not_close_the_gates_but_a_longer_way_is_learned() -> None:

@@ -154,8 +154,8 @@ async def test_the_poll_keeps_the_view_fresh_and_a_failing_poll_keeps_the_last()
 
 
 async def test_handle_client_feeds_the_gate_and_hides_the_admission_chunk() -> None:
-    seen: list[tuple[UnitLoad, float | None]] = []
-    response = FakeResponse([GenerateChunk(load=IDLE, waited_s=0.25), GenerateChunk([5]),
+    seen: list[tuple[UnitLoad, float | None, int]] = []
+    response = FakeResponse([GenerateChunk(load=IDLE, waited_s=0.25, num_prompt_tokens=7), GenerateChunk([5]),
                              GenerateChunk([6], "stop", load=None)])
     handle = FakeHandle(response)
     sent: list[GenerateRequest] = []
@@ -166,9 +166,9 @@ async def test_handle_client_feeds_the_gate_and_hides_the_admission_chunk() -> N
         return original(*args)
 
     handle.remote = remote  # type: ignore[method-assign]
-    engine = HandleEngineClient(handle, INFO, on_load=lambda load, waited: seen.append((load, waited)))  # type: ignore[arg-type]
+    engine = HandleEngineClient(handle, INFO, on_load=lambda *verdict: seen.append(verdict))  # type: ignore[arg-type]
     chunks = [c async for c in engine.generate(GenerateRequest("r", [1], SamplingParams(max_tokens=2), 0.0))]
-    assert [c.token_ids for c in chunks] == [[5], [6]] and seen == [(IDLE, 0.25)]
+    assert [c.token_ids for c in chunks] == [[5], [6]] and seen == [(IDLE, 0.25, 7)]
     assert sent[0].report_load
 
 
@@ -182,6 +182,7 @@ def test_the_unit_reports_its_load_with_its_verdicts() -> None:
         for chunks in results:
             assert chunks[0].load is not None and chunks[0].load.unit_id == "u9"
             assert chunks[0].waited_s is not None and 0.0 <= chunks[0].waited_s < 5.0  # the wait it arrived with
+            assert chunks[0].num_prompt_tokens == 8  # the prompt as the unit counted it
             if chunks[0].error is None:  # admitted: the verdict alone first, then the tokens
                 assert chunks[0].token_ids == [] and chunks[0].finish_reason is None
                 assert [t for c in chunks for t in c.token_ids] == [42] * 3
@@ -197,7 +198,7 @@ def test_the_unit_reports_its_load_with_its_verdicts() -> None:
 
 
 def test_requests_let_through_count_until_their_verdict_so_a_burst_is_refused_before_any_returns() -> None:
-    from tidal_core.front_admission import PathModel
+    from tidal_core.front_admission import PROMPT_BYTES_PER_TOKEN, PathModel
 
     def burst_through(gate: FrontGate) -> int:
         passed = 0
@@ -207,7 +208,7 @@ def test_requests_let_through_count_until_their_verdict_so_a_burst_is_refused_be
         return passed
 
     clock = Clock()
-    body = 600  # bytes: ~100 tokens, ~0.1 s of prefill each
+    body = int(100 * PROMPT_BYTES_PER_TOKEN)  # bytes: ~100 tokens at the prior, ~0.1 s of prefill each
     timed = FrontGate(AdmissionConfig(target_ttft_s=1.0, burst_factor=2.0), clock=clock)
     timed.observe(dataclasses.replace(IDLE, prefill_s_per_token=0.001))  # 1 ms per prompt token
     gate = FrontGate(AdmissionConfig(target_ttft_s=1.0, burst_factor=2.0), clock=clock)
@@ -215,7 +216,7 @@ def test_requests_let_through_count_until_their_verdict_so_a_burst_is_refused_be
     gate.observe(dataclasses.replace(IDLE, prefill_s_per_token=0.001))
     passed = burst_through(gate)
     assert 19 <= passed <= 21  # ~2 s (burst_factor x the target) of prefill let through, then refused
-    # The way takes time (the prior: 10 ms per request on it), and the unit cannot start on the
+    # The way takes time (the prior: 20 ms per request on it), and the unit cannot start on the
     # first request before it arrives: fewer pass.
     assert burst_through(timed) < passed
     clock.now += 0.5  # work still on its way to the unit does not drain: nothing more passes

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import random
 from typing import Any
 
@@ -107,19 +108,27 @@ def test_requests_answered_without_reaching_a_unit_do_not_stay_on_the_way() -> N
     assert gate.in_flight() == 0 and gate.refusal(600) is None
 
 
-async def test_the_gates_learn_the_way_to_the_unit_from_its_verdicts() -> None:
+async def test_the_gates_learn_the_way_to_the_unit_and_the_prompts_size_from_its_verdicts() -> None:
     """The unit's verdict says how long its request had waited since the proxy's stamp when it
-    arrived: the Ingress's gate learns its own stretch of the way from it (less the wait it judged
-    the request with), adds it to the response for the proxy (`UNIT_WAITED`), and the proxy's gate
-    learns the whole way from that header."""
-    from serve_app.front_gate import UNIT_WAITED, FrontGateMiddleware
+    arrived, and how many tokens its prompt held: the Ingress's gate learns its own stretch of the
+    way from it (less the wait it judged the request with) and the body's bytes per token, adds both
+    to the response for the proxy (`UNIT_WAITED`, `PROMPT_TOKENS`), and the proxy's gate learns the
+    whole way and the same bytes per token from those headers."""
+    from serve_app.front_gate import PROMPT_TOKENS, UNIT_WAITED, FrontGateMiddleware
     from serve_app.proxy_gate import ProxyGateMiddleware
+    from tidal_core.front_admission import PATH_PRIOR_S, PROMPT_BYTES_PER_TOKEN
+
+    body = json.dumps(CHAT).encode()
+    tokens = len(body) // 2  # 2 bytes a token: far denser than the prior, so the step is plain to see
+    prior_tokens = 512  # the prompt size model's prior weighs as one verdict on a prompt this long
+    learned_bytes_per_token = ((0.9 * prior_tokens * PROMPT_BYTES_PER_TOKEN + 0.1 * len(body))
+                               / (0.9 * prior_tokens + 0.1 * tokens))
 
     ingress_gate = FrontGate(AdmissionConfig(target_ttft_s=1.0), clock=Clock(), rng=random.Random(0))
     ingress_gate.observe(IDLE)
 
     async def unit_side(scope: Any, receive: Any, send: Any) -> None:  # the handler, after the unit's verdict
-        ingress_gate.observe(IDLE, unit_waited_s=0.03)
+        ingress_gate.observe(IDLE, unit_waited_s=0.03, prompt_tokens=tokens)
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
@@ -135,15 +144,18 @@ async def test_the_gates_learn_the_way_to_the_unit_from_its_verdicts() -> None:
         await gated({**scope, "app": Holder()}, receive, send)
 
     async with httpx.AsyncClient(transport=httpx.ASGITransport(ingress_app), base_url="http://ingress") as c:
-        answered = await c.post("/v1/chat/completions", json=CHAT)
-    assert answered.headers[UNIT_WAITED] == "30.0"
+        answered = await c.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert answered.headers[UNIT_WAITED] == "30.0" and answered.headers[PROMPT_TOKENS] == str(tokens)
     # No stamp here: the Ingress judged it at ~0 s waited, so its stretch is the whole 30 ms (one
-    # step of the mean from the prior, 10 ms).
+    # step of the mean from the prior).
     assert ingress_gate.path.num_observed == 1
-    assert ingress_gate.path.per_request_s == pytest.approx(0.01 + 0.1 * (0.03 - 0.01), abs=1e-3)
+    assert ingress_gate.path.per_request_s == pytest.approx(PATH_PRIOR_S + 0.1 * (0.03 - PATH_PRIOR_S), abs=1e-3)
+    assert ingress_gate.sizes.num_observed == 1
+    assert ingress_gate.sizes.bytes_per_token == pytest.approx(learned_bytes_per_token)
 
     async def behind_the_proxy(scope: Any, receive: Any, send: Any) -> None:  # Serve's routing, then the Ingress
-        await send({"type": "http.response.start", "status": 200, "headers": [(UNIT_WAITED.encode(), b"25.0")]})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(UNIT_WAITED.encode(), b"25.0"), (PROMPT_TOKENS.encode(), str(tokens).encode())]})
         await send({"type": "http.response.body", "body": b"{}"})
 
     proxy = ProxyGateMiddleware(behind_the_proxy)
@@ -152,5 +164,7 @@ async def test_the_gates_learn_the_way_to_the_unit_from_its_verdicts() -> None:
     proxy_gate.observe(IDLE)
     proxy.gates["/sim"] = ("sim", proxy_gate)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(proxy), base_url="http://proxy") as c:
-        assert (await c.post("/sim/v1/chat/completions", json=CHAT)).status_code == 200
-    assert proxy_gate.path.per_request_s == pytest.approx(0.01 + 0.1 * (0.025 - 0.01))  # alone on the way: 25 ms
+        sent = await c.post("/sim/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert sent.status_code == 200
+    assert proxy_gate.path.per_request_s == pytest.approx(PATH_PRIOR_S + 0.1 * (0.025 - PATH_PRIOR_S))  # alone: 25 ms
+    assert proxy_gate.sizes.bytes_per_token == pytest.approx(learned_bytes_per_token)
