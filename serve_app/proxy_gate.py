@@ -25,9 +25,9 @@ first saw each unit, less those answered without reaching one (refused by the in
 `x-tidal-refused-by`; a 400), and never more than the requests still open. The time the way to a
 unit takes is learned from the Ingress's `x-tidal-unit-waited-ms` on each response (how long the
 request had waited since this proxy's stamp when its unit received it), and the bytes of body per
-prompt token from its `x-tidal-prompt-tokens` (the prompt's tokens as its unit counted them). However congested the
-path from here to the unit, they count until they arrive (a time horizon would open the gate
-exactly when the path is slowest), and none counts past its end.
+prompt token from its `x-tidal-prompt-tokens` (the prompt's tokens as its unit counted them).
+However congested the path from here to the unit, they count until they arrive (a time horizon
+would open the gate exactly when the path is slowest), and none counts past its end.
 
 Arrival stamps: a request the gate lets through carries the proxy's signed arrival time
 (serve_app/openai/arrival_stamp.py; the key read from an Ingress with the key digests), so the

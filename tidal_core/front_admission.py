@@ -36,7 +36,7 @@ requests took 0.06-0.5 s to arrive on a small box, the unit counted that time, a
 the front end let through at the edge of the limit were refused by the unit after the full round
 trip: the slowest 429s of a burst (docs/reliability.md, section 6). The prompts had the same
 effect: estimated deliberately low (6 bytes a token), the hundreds let through before any verdict
-came back were priced 15% or more under what the unit then counted. Both estimates are now meant
+came back were priced at 83% of the tokens the unit then counted (5.0 bytes a token). Both estimates are now meant
 to be right on average, so a request whose way runs faster, or whose prompt is shorter, than
 learned may be refused where the unit would have admitted it, by the margin of that difference;
 in a burst the unit's queue is filled by the requests behind it all the same.
@@ -73,8 +73,9 @@ DEFAULT_MAX_AGE_S = 5.0  # aged by the drain, a busy snapshot keeps refusing unt
 _PROBE_TOKENS = 1024
 BURST_REQUESTS = 16  # the burst probe: this many prompts of `_BURST_PROMPT_TOKENS` arriving together
 _BURST_PROMPT_TOKENS = 256
-# `PathModel`'s time per request on the way before any verdict: what one request's way takes on an idle
-# 2-core box, through Serve's proxy and the Ingress to the unit (15-22 ms, docs/reliability.md section 6)
+# `PathModel`'s time per request on the way before any verdict: what a burst's first verdicts read on a
+# 2-core box (10-30 ms a request on the way; one request alone at rest: 14 ms p50, docs/reliability.md
+# section 6)
 PATH_PRIOR_S = 0.02
 # `PromptSizeModel`'s bytes of request body per prompt token before any verdict: English chat text runs
 # at about 4 characters a token with Llama-class tokenizers, and the JSON around it adds a few percent
@@ -154,9 +155,10 @@ class PathModel:
     how long its request had waited since the front end let it through), as an exponentially
     weighted mean of that time per request on the way (`gain`: the weight of the newest), from
     `prior_s`: what a burst into a fresh server meets before any verdict came back. The default
-    prior, 20 ms, is what one request's way takes on an idle 2-core box (docs/reliability.md,
-    section 6), so a server that has served light traffic has learned about the same; on a
-    faster box the first verdicts take it down.
+    prior, 20 ms, is about what a burst's first verdicts read per request on the way on a 2-core
+    box (10-30 ms; one request alone at rest takes 14 ms p50 there, docs/reliability.md section
+    6, so a server that served light traffic has learned about as much); on a faster box the
+    first verdicts take it down.
     One request's way counts for at most `outlier_factor` times the mean: a client that uploads
     its body slowly waits long before its unit sees it (the proxy stamps the request's start),
     and one such request must not make the gates refuse everyone's for the next dozens of
