@@ -36,7 +36,8 @@ requests took 0.06-0.5 s to arrive on a small box, the unit counted that time, a
 the front end let through at the edge of the limit were refused by the unit after the full round
 trip: the slowest 429s of a burst (docs/reliability.md, section 6). The prompts had the same
 effect: estimated deliberately low (6 bytes a token), the hundreds let through before any verdict
-came back were priced at 83% of the tokens the unit then counted (5.0 bytes a token). Both estimates are now meant
+came back were priced at 83% of the tokens the unit then counted (the burst benchmark's bodies
+run at 5.0 bytes a token). Both estimates are now meant
 to be right on average, so a request whose way runs faster, or whose prompt is shorter, than
 learned may be refused where the unit would have admitted it, by the margin of that difference;
 in a burst the unit's queue is filled by the requests behind it all the same.
