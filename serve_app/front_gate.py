@@ -36,12 +36,8 @@ learns the whole way. The work let through cannot start before it arrives, and o
 a burst the way is what set the slowest 429s (tidal_core/front_admission.py).
 
 The request's prompt is estimated from the body's size (`Content-Length`), at the bytes per token
-the verdicts taught (`PromptSizeModel`: each verdict also says how many tokens its request's
-prompt held; the Ingress's gate passes that on as `PROMPT_TOKENS`, from which the proxy's gate
-learns too). It was a fixed, deliberately low 6 bytes a token, so that the gate would not refuse a
-request its unit would have admitted for its own prefill's sake; but in a burst the prompts of
-the dozens let through before any verdict add up, and their shortfall let through requests the
-unit then refused after their whole way there (docs/reliability.md, section 6).
+the verdicts taught (`PromptSizeModel`; each verdict says its prompt's tokens, and the Ingress's
+gate passes them on to the proxy's as `PROMPT_TOKENS`), not a fixed, deliberately low 6 bytes.
 
 Must not import: torch, transformers.
 """
@@ -83,8 +79,8 @@ PENDING_FOR_S = 5.0  # a request let through counts as pending at most this long
 class _Ticket:
     """A request let through, not yet seen by its unit: its estimated prompt tokens, when it left,
     how long it had waited then (since the proxy's arrival stamp), how many requests were on the
-    way with it (itself included), its body's bytes and, once its unit's verdict came, how long it
-    had waited when the unit received it and how many tokens its prompt held."""
+    way with it (itself included), its body's bytes and, from its unit's verdict, its wait when
+    the unit received it and its prompt's tokens."""
 
     tokens: int
     sent_s: float
@@ -142,9 +138,8 @@ class FrontGate:
     # ---- snapshots ------------------------------------------------------------------------
     def observe(self, load: UnitLoad, unit_waited_s: float | None = None, prompt_tokens: int | None = None) -> None:
         """A unit's snapshot, just received (from its verdict on a request, or from the poll); in
-        a request's context, that request is no longer pending: the snapshot holds it,
-        `unit_waited_s` (how long it had waited when the unit received it) teaches the path model
-        and `prompt_tokens` (its prompt's tokens, as the unit counted them) the prompt size model."""
+        a request's context, that request is no longer pending (the snapshot holds it), and its
+        wait when the unit received it and its prompt's tokens teach the path and size models."""
         self._learn(unit_waited_s, prompt_tokens)
         self.release()
         now = self.clock()
@@ -259,8 +254,7 @@ class FrontGate:
 
     def _learn(self, unit_waited_s: float | None, prompt_tokens: int | None) -> None:
         """What the current request's verdict tells of the way to the units and of its prompt (once each)."""
-        ticket = _TICKET.get()
-        if ticket is None:
+        if (ticket := _TICKET.get()) is None:
             return
         if unit_waited_s is not None and ticket.unit_waited_s is None:
             ticket.unit_waited_s = unit_waited_s
@@ -387,13 +381,10 @@ class FrontGateMiddleware:
 
             async def send_with_wait(message: Message) -> None:
                 if message["type"] == "http.response.start" and ticket is not None:
-                    extra = []
-                    if ticket.unit_waited_s is not None:
-                        extra.append((UNIT_WAITED.encode(), f"{ticket.unit_waited_s * 1e3:.1f}".encode()))
-                    if ticket.prompt_tokens:
-                        extra.append((PROMPT_TOKENS.encode(), str(ticket.prompt_tokens).encode()))
-                    if extra:
-                        message = {**message, "headers": [*message.get("headers", []), *extra]}
+                    waited, tokens = ticket.unit_waited_s, ticket.prompt_tokens
+                    extra = [(UNIT_WAITED.encode(), f"{waited * 1e3:.1f}".encode())] if waited is not None else []
+                    extra += [(PROMPT_TOKENS.encode(), str(tokens).encode())] if tokens else []
+                    message = {**message, "headers": [*message.get("headers", []), *extra]}
                 await send(message)
 
             try:

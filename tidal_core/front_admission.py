@@ -37,10 +37,12 @@ the front end let through at the edge of the limit were refused by the unit afte
 trip: the slowest 429s of a burst (docs/reliability.md, section 6). The prompts had the same
 effect: estimated deliberately low (6 bytes a token), the hundreds let through before any verdict
 came back were priced at 83% of the tokens the unit then counted (the burst benchmark's bodies
-run at 5.0 bytes a token). Both estimates are now meant
-to be right on average, so a request whose way runs faster, or whose prompt is shorter, than
-learned may be refused where the unit would have admitted it, by the margin of that difference;
-in a burst the unit's queue is filled by the requests behind it all the same.
+run at 5.0 bytes a token). The size is now meant to be right on average, so a request whose
+prompt is shorter than learned may be refused where the unit would have admitted it, by the
+margin of that difference. Priors set high on purpose would buy more margin against a burst into
+one unit, and refuse part of a burst that a fleet could take whole: a development build with 4.5
+bytes a token and 20 ms a request on the way let 14-16 of 32 requests sent at once through to two
+idle units that would have taken them all (tests/integration/test_routing_fleet.py).
 
 A snapshot older than `max_age_s` (5 s) is not believed (no verdict); a younger one is aged: its
 queue drains in real time, so a busy snapshot refuses only while the queue it saw could not be
@@ -74,13 +76,11 @@ DEFAULT_MAX_AGE_S = 5.0  # aged by the drain, a busy snapshot keeps refusing unt
 _PROBE_TOKENS = 1024
 BURST_REQUESTS = 16  # the burst probe: this many prompts of `_BURST_PROMPT_TOKENS` arriving together
 _BURST_PROMPT_TOKENS = 256
-# `PathModel`'s time per request on the way before any verdict: what a burst's first verdicts read on a
-# 2-core box (10-30 ms a request on the way; one request alone at rest: 14 ms p50, docs/reliability.md
-# section 6)
-PATH_PRIOR_S = 0.02
-# `PromptSizeModel`'s bytes of request body per prompt token before any verdict: English chat text runs
-# at about 4 characters a token with Llama-class tokenizers, and the JSON around it adds a few percent
-PROMPT_BYTES_PER_TOKEN = 4.5
+PATH_PRIOR_S = 0.01  # `PathModel`'s time per request on the way before any verdict
+# `PromptSizeModel`'s bytes of request body per prompt token before any verdict: what chat and
+# completion bodies of English words measure with SmolLM2's tokenizer on this project's benchmarks
+# (5.0-5.4, docs/reliability.md section 6); the verdicts then teach the deployment's own
+PROMPT_BYTES_PER_TOKEN = 5.0
 
 
 def ttft_limit_s(cfg: AdmissionConfig, regime: Regime) -> float:
@@ -156,10 +156,8 @@ class PathModel:
     how long its request had waited since the front end let it through), as an exponentially
     weighted mean of that time per request on the way (`gain`: the weight of the newest), from
     `prior_s`: what a burst into a fresh server meets before any verdict came back. The default
-    prior, 20 ms, is about what a burst's first verdicts read per request on the way on a 2-core
-    box (10-30 ms; one request alone at rest takes 14 ms p50 there, docs/reliability.md section
-    6, so a server that served light traffic has learned about as much); on a faster box the
-    first verdicts take it down.
+    prior, 10 ms, is about what Serve's proxy spends per request it forwards on a small box
+    (docs/reliability.md, section 6); on a faster one the first verdicts take it down.
     One request's way counts for at most `outlier_factor` times the mean: a client that uploads
     its body slowly waits long before its unit sees it (the proxy stamps the request's start),
     and one such request must not make the gates refuse everyone's for the next dozens of
@@ -196,9 +194,9 @@ class PromptSizeModel:
     exponentially weighted sums of bytes and of tokens (`gain`: the weight of the newest), so the
     bytes of the prompts let through together are turned into about the tokens the unit will
     count (a ratio of sums weighs a long prompt by its length, which is what its prefill costs).
-    Before any verdict, `prior_bytes_per_token` (4.5: English chat text with a Llama-class
-    tokenizer, the JSON around it included); a body whose tokens a verdict gives as fewer than
-    one per `max_bytes_per_token` bytes (a large field that is not the prompt) counts as that."""
+    Before any verdict, `prior_bytes_per_token` (`PROMPT_BYTES_PER_TOKEN`, 5.0); a body whose
+    tokens a verdict gives as fewer than one per `max_bytes_per_token` bytes (a large field that
+    is not the prompt) counts as that."""
 
     __slots__ = ("_bytes", "_tokens", "gain", "max_bytes_per_token", "num_observed")
     _PRIOR_TOKENS = 512.0  # the prior weighs as one verdict on a prompt of this size
