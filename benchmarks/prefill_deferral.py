@@ -64,8 +64,7 @@ def part_cells() -> None:
             run = sim.run()
             o, summary = run.outcomes, summarize(run.outcomes, spec.slo)
             served = np.isfinite(o.ttft_s) & (o.output_tokens > 1)
-            tpot = (o.e2e_s - o.ttft_s) / np.maximum(1, o.output_tokens - 1)
-            over = served & (tpot > spec.slo.tpot_s)
+            over = served & (np.nan_to_num(o.tpot_s, nan=0.0) > spec.slo.tpot_s)
             steps = run.counters["steps"]
             svc = sim.fleet.all_units()[0].sched.load.service
             print(f"| {gpu.split('-')[0]} | {trace_name} | {rate}x | {off:g} | {defer} | {summary['goodput_rps']} | "

@@ -81,14 +81,15 @@ def part_unit(cost: CostModel, hours: float, rate: float, slo: Slo, overrides: d
 
 
 def part_fleet(cost: CostModel, hours: float, rate: float, units: int, slo: Slo,
-               overrides: dict[str, str] | None = None) -> dict[str, Any]:
+               overrides: dict[str, str] | None = None, routing: dict[str, float] | None = None) -> dict[str, Any]:
     base = unit_config(cost)
     trace = load_trace("mooncake-conv", hours=hours, rate_scale=rate, seed=0).clipped(8191, 8191)
     cache = {**(overrides or {}), "enable_prefix_caching": "true"}
     out: dict[str, Any] = {"trace": trace.name, "requests": len(trace), "rate_scale": rate, "units": units}
-    for routing in ("load", "prefix"):
-        spec = RunSpec(trace, base, cost, slo, units=units, overrides=cache, routing=routing)
-        out[routing] = _row(run_policy(spec, "adaptive", progress=False))
+    for kind in ("load", "prefix"):
+        spec = RunSpec(trace, base, cost, slo, units=units, overrides=cache, routing=kind,
+                       prefix_routing=(routing or {}) if kind == "prefix" else {})
+        out[kind] = _row(run_policy(spec, "adaptive", progress=False))
     out["goodput_prefix_vs_load"] = _ratio(out["prefix"]["goodput_rps"], out["load"]["goodput_rps"])
     out["ttft_p50_prefix_vs_load"] = _ratio(out["prefix"]["ttft_p50_ms"], out["load"]["ttft_p50_ms"])
     return out
@@ -106,9 +107,12 @@ def main() -> int:
     ap.add_argument("--cost-model", default="a100-llama70b-tp8")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="scheduler overrides for every simulated run (as `tidal simulate --set`)")
+    ap.add_argument("--routing-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="the fleet's cache-aware routing: PrefixRoutingConfig fields (e.g. max_extra_delay_s=1e9)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     overrides = dict(kv.split("=", 1) for kv in args.set)
+    routing = {k: int(v) if v.isdigit() else float(v) for k, v in (kv.split("=", 1) for kv in args.routing_set)}
     parts = args.part or ["scheduler", "unit", "fleet"]
     slo = Slo(1.0, 0.1)
     cost = CostModel.load(args.cost_model)
@@ -122,7 +126,7 @@ def main() -> int:
             print(json.dumps({k: v for k, v in unit.items() if k not in ("on", "off")}), flush=True)
         if "fleet" in parts:
             fleet = result.setdefault("fleet", {})[str(rate)] = part_fleet(
-                cost, args.hours, rate * args.fleet_rate_factor, args.fleet_units, slo, overrides)
+                cost, args.hours, rate * args.fleet_rate_factor, args.fleet_units, slo, overrides, routing)
             print(json.dumps({k: v for k, v in fleet.items() if k not in ("load", "prefix")}), flush=True)
     text = json.dumps(result, indent=1)
     if args.out:

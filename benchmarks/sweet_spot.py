@@ -22,9 +22,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from calibration.cost_model import CostModel
-from loadgen.report import Slo
-from loadgen.sim.runner import RunSpec, run_policy, unit_config
+from loadgen.report import OK, Slo
+from loadgen.sim.runner import PolicyRun, RunSpec, run_policy, unit_config
 from loadgen.traces import load_trace
 
 TRACES = ("azure-code", "azure-conv", "mooncake-conv")
@@ -33,9 +35,17 @@ COST_MODELS = ("a100-llama70b-tp8", "h100-llama70b-tp8")
 BUDGETS = (128, 256, 512, 1024, 2048, 4096)
 
 
-def _row(summary: dict[str, Any]) -> dict[str, Any]:
-    return {k: summary.get(k) for k in ("goodput_rps", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "rejected",
-                                        "slo_attainment")}
+def _row(run: PolicyRun, slo: Slo) -> dict[str, Any]:
+    """A run's figures, with what its completed requests missed (TTFT over the target, TPOT over
+    it) and its steps (all, held back by the TPOT target, prefill deferred): where a loss comes from."""
+    row = {k: run.summary.get(k) for k in ("goodput_rps", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "rejected",
+                                           "completed", "slo_attainment")}
+    o = run.run.outcomes
+    ok = o.status == OK
+    row["ttft_missed"] = int((ok & (np.nan_to_num(o.ttft_s, nan=np.inf) > slo.ttft_s)).sum())
+    row["tpot_missed"] = int((ok & (np.nan_to_num(o.tpot_s, nan=0.0) > slo.tpot_s)).sum())
+    row["steps"] = dict(run.run.counters.get("steps", {}))
+    return row
 
 
 def cell(cost_name: str, trace_name: str, rate: float, hours: float, budgets: tuple[int, ...], slo: Slo,
@@ -48,14 +58,14 @@ def cell(cost_name: str, trace_name: str, rate: float, hours: float, budgets: tu
         trace = trace.window(offset_min * 60.0, offset_min * 60.0 + hours * 3600.0)
     runs: dict[str, Any] = {}
     runs[policy] = _row(run_policy(RunSpec(trace, base, cost, slo, overrides=overrides or {}), policy,
-                                   progress=False).summary)
+                                   progress=False), slo)
     if eager:
-        runs["eager"] = _row(run_policy(RunSpec(trace, base, cost, slo), "eager", progress=False).summary)
+        runs["eager"] = _row(run_policy(RunSpec(trace, base, cost, slo), "eager", progress=False), slo)
     else:
         runs["eager"] = dict.fromkeys(("goodput_rps", "tpot_p99_ms", "ttft_p50_ms"))
     for b in budgets:
         spec = RunSpec(trace, base, cost, slo, overrides={"max_num_batched_tokens": str(b)})
-        runs[f"sarathi-{b}"] = _row(run_policy(spec, "sarathi", progress=False).summary)
+        runs[f"sarathi-{b}"] = _row(run_policy(spec, "sarathi", progress=False), slo)
     fixed = [k for k in runs if k.startswith("sarathi-")]
     best = max(fixed, key=lambda k: runs[k]["goodput_rps"] or 0.0)
     within = [k for k in fixed if (runs[k]["tpot_p99_ms"] or 0.0) <= slo.tpot_s * 1e3]

@@ -40,7 +40,8 @@ class Fleet:
         if config.routing == "prefix":
             sc = config.scheduler
             self.prefix_router = PrefixAwareRouter(
-                PrefixRoutingConfig(index_blocks=sc.num_kv_blocks, block_size=sc.block_size), rng)
+                PrefixRoutingConfig(index_blocks=sc.num_kv_blocks, block_size=sc.block_size, **config.prefix_routing),
+                rng)
 
     def _spawn(self, now: float, ready: float) -> None:
         uid = self._next_uid

@@ -35,6 +35,8 @@ class SimConfig:
     seed: int = 0
     retries: RetryPolicy | None = None  # clients retry refusals (loadgen/sim/retries.py); None: never
     routing: str = "load"
+    # with routing "prefix": `PrefixRoutingConfig` fields other than the unit's size (e.g. max_extra_delay_s)
+    prefix_routing: dict[str, float] = field(default_factory=dict)
     batch_ids: frozenset[int] = frozenset()  # trace indices sent as the batch class (loadgen/sim/backlog.py)
 
     def __post_init__(self) -> None:

@@ -81,6 +81,7 @@ class RunSpec:
     overrides: dict[str, str] = field(default_factory=dict)  # dotted field=value, applied last
     retries: RetryPolicy | None = None  # clients retry refused requests (the openai client's rules)
     routing: str = "load"  # fleet routing: loadgen/sim/config.py ROUTINGS
+    prefix_routing: dict[str, float] = field(default_factory=dict)  # with routing "prefix": its config's fields
     batch_ids: frozenset[int] = frozenset()  # trace indices sent as the batch class (a backlog)
     batch_due_s: float | None = None  # the backlog's due time (None: the trace's end)
 
@@ -96,7 +97,8 @@ def sim_config(spec: RunSpec, policy: str) -> SimConfig:
     cfg = apply_overrides(cfg, spec.overrides)  # `tidal simulate --set`: last, so any field can change
     return SimConfig(cfg, executor_factory(spec.cost_model), spec.slo, num_units=spec.units,
                      gpus_per_unit=spec.cost_model.tp, autoscale=spec.autoscale, provisioning_s=spec.provisioning_s,
-                     seed=spec.seed, retries=spec.retries, routing=spec.routing, batch_ids=spec.batch_ids)
+                     seed=spec.seed, retries=spec.retries, routing=spec.routing,
+                     prefix_routing=spec.prefix_routing, batch_ids=spec.batch_ids)
 
 
 def run_policy(spec: RunSpec, policy: str, progress: bool = True) -> PolicyRun:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +12,10 @@ import pytest
 from calibration.cost_model import CostModel
 from loadgen.records import PREFIX_SALT, Trace
 from loadgen.report import Slo
+from loadgen.sim.cluster import Fleet
 from loadgen.sim.config import SimConfig
 from loadgen.sim.prefix_blocks import PrefixBlocks, ideal_hit_rate
-from loadgen.sim.runner import RunSpec, executor_factory, run_policy, unit_config
+from loadgen.sim.runner import RunSpec, executor_factory, run_policy, sim_config, unit_config
 from loadgen.sim.simulation import simulate
 from loadgen.trace_readers import read_jsonl, write_jsonl
 from loadgen.traces import load_trace
@@ -104,3 +106,14 @@ def test_mooncake_hits_and_the_cache_aware_fleet_runs(cost: CostModel) -> None:
     assert run.summary["arrived"] == run.summary["completed"] + run.summary["rejected"]
     with pytest.raises(ValueError, match="routing"):
         SimConfig(preset("adaptive", unit_config(cost)), executor_factory(cost), routing="nearest")
+
+
+def test_the_cache_aware_routers_settings_reach_the_fleets_router(cost: CostModel) -> None:
+    trace = load_trace("mooncake-conv", hours=0.01).clipped(8191, 8191)
+    spec = RunSpec(trace, unit_config(cost), cost, Slo(), units=2, routing="prefix",
+                   prefix_routing={"max_extra_delay_s": 0.25, "min_match_fraction": 0})
+    router = Fleet(sim_config(spec, "adaptive"), random.Random(0)).prefix_router
+    assert router is not None and router.config.max_extra_delay_s == 0.25 and router.config.min_match_fraction == 0
+    assert router.config.index_blocks == spec.base.num_kv_blocks  # the unit's own size is kept
+    with pytest.raises(TypeError, match="nearest"):
+        Fleet(sim_config(dataclasses.replace(spec, prefix_routing={"nearest": 1.0}), "adaptive"), random.Random(0))
