@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 from tidal_core.config import ServicePrior
+from tidal_core.departures import OUTPUT_GUESS, OutputLengths
 
 _P_SCALE = 1000.0  # prefill tokens are fitted per 1000 and decode seqs per 100, for conditioning
 _D_SCALE = 100.0
@@ -245,6 +246,7 @@ class LoadEstimator:
         "arrivals",
         "batch_cap",
         "finishes",
+        "lengths",
         "prefill",
         "service",
         "ttft_correction",
@@ -253,6 +255,7 @@ class LoadEstimator:
     def __init__(self, tau_s: float, prior: ServicePrior, max_batch_size: int, kv_tokens: int) -> None:
         self.arrivals = RateEstimator(tau_s)
         self.finishes = RateEstimator(tau_s)
+        self.lengths = OutputLengths()  # the slot wait's distribution (core/departures.py)
         self.prefill = PrefillThroughput(tau_s)
         self.ttft_correction = PredictionCorrection()
         self.service = ServiceModel(prior)
@@ -270,11 +273,12 @@ class LoadEstimator:
         self._prompt_mean = num_prompt_tokens if first else 0.95 * self._prompt_mean + 0.05 * num_prompt_tokens
         if not self._have_finished:
             # Until a request finishes, max_tokens is the only hint of output length.
-            guess = min(max_tokens, 256)
+            guess = min(max_tokens, OUTPUT_GUESS)
             self._output_mean = guess if first else 0.95 * self._output_mean + 0.05 * guess
 
     def on_finish(self, now: float, num_output_tokens: int) -> None:
         self.finishes.on_event(now)
+        self.lengths.on_finish(num_output_tokens)
         if not self._have_finished:
             self._have_finished = True
             self._output_mean = float(num_output_tokens)

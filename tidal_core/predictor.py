@@ -21,7 +21,9 @@ Owns: `TtftPredictor`, the one prediction admission control, the regime detector
   1.36-1.53 s after arrival against predictions of 0.93-0.99 s (benchmarks/RESULTS.md, "The
   admission aim and the burst-onset prediction");
 - `slot_s`: when the running batch is at its cap, waiting for enough running requests to
-  finish, at the measured completion rate (the capacity estimate before any finish);
+  finish: the caller's forecast from where each running request is in its output
+  (core/departures.py, `DepartureForecast`), else at the measured completion rate (the capacity
+  estimate before any finish);
 - `correction`: the measured/predicted ratio of recent first tokens (`PredictionCorrection`),
   which absorbs what the simple queueing model misses (the step sizer throttling prefill,
   bursts of long prompts).
@@ -51,11 +53,12 @@ class TtftPredictor:
 
     def predict(self, now: float, backlog_tokens: int, num_decodes: int, slots_short: int, budget: int,
                 corrected: bool = True, batch_s: float = 0.0, decodes_after: int | None = None,
-                aim_s: float | None = None, defer: bool = True) -> float:
+                aim_s: float | None = None, defer: bool = True, slot_s: float | None = None) -> float:
         """Seconds until `backlog_tokens` of prompts are computed (while the `num_decodes`
         decodes grow to `decodes_after`, in steps of at most `budget` tokens and, with `aim_s`, no
         longer than the step sizer's aim, on average with `defer`), plus the wait for a batch slot
-        when `slots_short` requests more than the free room must leave the running batch first, plus `batch_s`,
+        when `slots_short` requests more than the free room must leave the running batch first
+        (`slot_s` when the caller forecast it, else at the departure rate), plus `batch_s`,
         what batch-class work in the step in flight adds before the next step."""
         load = self.load
         after = num_decodes if decodes_after is None else decodes_after
@@ -63,7 +66,10 @@ class TtftPredictor:
         measured = load.prefill.rate(now)
         if measured is not None and backlog_tokens / measured > prefill_s:
             prefill_s = backlog_tokens / measured
-        slot_s = slots_short / load.departure_rate(now) if slots_short > 0 else 0.0
+        if slots_short <= 0:
+            slot_s = 0.0
+        elif slot_s is None:
+            slot_s = slots_short / load.departure_rate(now)
         return (batch_s + prefill_s + slot_s) * (load.ttft_correction.factor(now) if corrected else 1.0)
 
     def on_first_token(self, req: Request, now: float) -> None:

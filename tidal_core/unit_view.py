@@ -4,7 +4,8 @@ Owns: `UnitView`, every read the scheduler's readers make and nothing that chang
 
 - `backlog_prefill_tokens`: interactive prompt tokens not computed yet;
 - `predicted_queue_delay_s`: the TTFT predictor (core/predictor.py) applied to this unit's
-  backlog, decodes and free running slots (the step limits' running cap, core/step_limits.py);
+  backlog, decodes and free running slots (the step limits' running cap, core/step_limits.py),
+  with the wait for a slot forecast from the running requests' ages (core/departures.py);
 - `unit_state`: what admission control (core/admission.py) judges a new arrival on;
 - `snapshot`: the `UnitLoad` routing, autoscaling, the simulator and the metrics read
   (core/snapshot.py).
@@ -20,6 +21,7 @@ from __future__ import annotations
 from tidal_core.admission import UnitState
 from tidal_core.batch_lane import BatchLane
 from tidal_core.config import SchedulerConfig
+from tidal_core.departures import DepartureForecast
 from tidal_core.load import LoadEstimator
 from tidal_core.predictor import TtftPredictor
 from tidal_core.queues import UnitQueues
@@ -32,8 +34,8 @@ from tidal_core.tpot_meter import TpotMeter
 
 
 class UnitView:
-    __slots__ = ("_max_tokens", "_target_tpot_s", "lane", "limits", "load", "predictor", "queues", "refusals", "regime",
-                 "tpot")
+    __slots__ = ("_max_tokens", "_target_tpot_s", "departures", "lane", "limits", "load", "predictor", "queues",
+                 "refusals", "regime", "tpot")
 
     def __init__(self, config: SchedulerConfig, queues: UnitQueues, load: LoadEstimator, predictor: TtftPredictor,
                  regime: RegimeDetector, limits: StepLimits, tpot: TpotMeter, lane: BatchLane | None = None,
@@ -42,6 +44,7 @@ class UnitView:
         self.queues, self.load, self.predictor, self.regime, self.limits, self.tpot = (queues, load, predictor, regime,
                                                                                       limits, tpot)
         self.refusals = refusals if refusals is not None else RefusalMeter()
+        self.departures = DepartureForecast(queues, load, tpot)
         self._max_tokens = config.max_num_batched_tokens
         self._target_tpot_s = config.admission.target_tpot_s or 0.0
 
@@ -72,7 +75,8 @@ class UnitView:
         return self.predictor.predict(now, self.backlog_prefill_tokens() + own_prompt_tokens, n_dec, slots_short,
                                       self._max_tokens, corrected,
                                       self.lane.delay_s(now) if self.lane is not None else 0.0,
-                                      after if after < cap else cap, sizer.aim_s if sizer is not None else None)
+                                      after if after < cap else cap, sizer.aim_s if sizer is not None else None,
+                                      slot_s=self.departures.wait_s(now, slots_short) if slots_short > 0 else None)
 
     def unit_state(self, now: float, req: Request, queue_delay_s: float | None = None) -> UnitState:
         """What admission sees for `req`; its predicted TTFT is the client's: time spent before the

@@ -1,0 +1,87 @@
+"""The slot wait of a full running batch (core/departures.py): forecast from where each running
+request is in its output, so a young batch (a burst's, started together) is not promised the
+slots a steady one would free."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import FakeExecutor
+from tidal_core import AdmissionConfig, Request, SamplingParams, Scheduler, SchedulerConfig, ServicePrior, preset
+from tidal_core.departures import LENGTHS_KEPT, MIN_FINISHED, OutputLengths, steps_until
+
+
+def test_lengths_wait_for_enough_finishes_then_keep_the_latest() -> None:
+    lengths = OutputLengths()
+    for n in range(1, MIN_FINISHED):
+        lengths.on_finish(n)
+    assert lengths.sorted is None  # too few to stand for a distribution
+    lengths.on_finish(MIN_FINISHED)
+    assert lengths.sorted == list(range(1, MIN_FINISHED + 1))
+    for n in range(MIN_FINISHED + 1, 2000 + 1):
+        lengths.on_finish(n)
+    assert lengths.sorted == list(range(2000 - LENGTHS_KEPT + 1, 2000 + 1))
+
+
+def test_with_one_length_the_wait_is_what_the_running_requests_have_left() -> None:
+    lengths = [128] * 32
+    assert steps_until(1, [40] * 76, lengths) == 88  # a burst's batch, 40 tokens in: nothing leaves for 88 steps
+    assert steps_until(2, [40, 100, 120], lengths) == 28
+    assert steps_until(3, [40, 100, 120], lengths) == 88
+
+
+def test_in_steady_state_the_forecast_is_the_departure_rate() -> None:
+    # One request of each length 1..100 arrives every step: the running requests are every
+    # (length, age) pair, and sum(min(s, length)) of them leave within s steps (100 a step).
+    lengths = list(range(1, 101))
+    produced = [k for n in lengths for k in range(n)]
+    for j in (1, 50, 100, 150, 250, 700):
+        expected = next(s for s in range(1, 101) if sum(min(s, n) for n in lengths) >= j)
+        assert steps_until(j, produced, lengths) == expected
+        assert abs(steps_until(j, produced, lengths) - j / 100) <= 1  # the departure rate's answer, within a step
+
+
+def test_a_young_batch_waits_for_the_shortest_recorded_output() -> None:
+    lengths = list(range(100, 301))  # every finished request produced 100-300 tokens
+    # 76 requests 10 tokens in: within s steps each leaves with P = (s - 89) / 201, and one
+    # departure is expected once 76 P >= 1, at s = 92 (the measured rate would say: at once)
+    assert steps_until(1, [10] * 76, lengths) == 92
+    assert steps_until(76, [10] * 76, lengths) == 290  # all of them: the longest
+    assert steps_until(1, [500], lengths) == 1  # past every recorded length: about to leave
+
+
+def _cohort(max_tokens: int, steps: int) -> tuple[Scheduler, float]:
+    """A unit whose running cap (4) is held by four requests that arrived together, `steps`
+    steps ago; no request has finished yet."""
+    cfg = preset("adaptive", SchedulerConfig(max_batch_size=4, max_num_batched_tokens=512, num_kv_blocks=512,
+                                             block_size=16, max_model_len=2048,
+                                             service_prior=ServicePrior(0.005, 0.0001, 0.0002)),
+                 admission=AdmissionConfig(target_ttft_s=1.0))
+    s, ex, now = Scheduler(cfg), FakeExecutor(time_fn=lambda plan: 0.01), 0.0
+    for i in range(4):
+        assert s.add_request(Request(f"r{i}", 32, SamplingParams(max_tokens=max_tokens, ignore_eos=True), now),
+                             now) is None
+    for _ in range(steps):
+        d = s.schedule(now)
+        now += 0.01
+        s.on_step_done(d.plan, ex.execute(d.plan), now)  # type: ignore[union-attr]
+    assert s.num_running == 4 and not s.stats.finished
+    return s, now
+
+
+@pytest.mark.parametrize(("max_tokens", "admitted"), [(30, True), (200, False), (4000, False)])
+def test_a_request_behind_a_young_full_batch_waits_for_it(max_tokens: int, admitted: bool) -> None:
+    # 10 ms steps, the batch 5 tokens in: its first slot frees after max_tokens - 5 more steps
+    # (200 -> 1.95 s, past the 1 s target; 4000 -> the 256-token guess, 2.5 s), or 0.25 s at 30.
+    s, now = _cohort(max_tokens, 5)
+    wait = s.predicted_queue_delay_s(now, corrected=False)  # the correction learned from the four first tokens
+    assert wait == pytest.approx((min(max_tokens, 256) - 5) * 0.01, rel=0.01)
+    assert (s.add_request(Request("late", 16, SamplingParams(), now), now) is None) is admitted
+
+
+def test_once_requests_finish_their_lengths_drive_the_forecast() -> None:
+    s, now = _cohort(4000, 5)
+    for _ in range(MIN_FINISHED):
+        s.load.on_finish(now, 12)  # what finished requests actually produced: 12 tokens each
+    # the running requests are 5 tokens in and past no recorded length: 7 more steps
+    assert s.predicted_queue_delay_s(now, corrected=False) == pytest.approx(7 * 0.01, rel=0.01)

@@ -1,0 +1,173 @@
+"""When running requests will leave: the wait for a slot in a full running batch.
+
+Owns: `OutputLengths` (the output lengths of recently finished requests) and
+`DepartureForecast`, the TTFT predictor's slot wait (core/predictor.py). When the running
+batch is at its cap, a prompt cannot start until `j` running requests have finished. How long
+that takes depends on where each running request is in its output, not only on the unit's mean
+departure rate: a burst's requests start together, and none finishes until each has produced
+its output. Measured in Serve (configs/sim.yaml, 2,000 requests in 10 s with max_tokens 128):
+with the batch at its cap of ~76 decodes that had started within the same three seconds, the
+rate the unit had estimated said a slot would free every ~0.3 s; none freed for seven seconds,
+and the requests admitted on that promise got their first tokens after 1.1-3.4 s
+(benchmarks/RESULTS.md, "The slot wait of a young batch").
+
+The forecast counts the decode steps `s` until `j` departures are expected,
+
+    E(s) = sum over running requests r of P(L <= k_r + s | L > k_r) >= j
+
+with `k_r` the tokens `r` has produced (a prefilling request: 0) and `L` an output length, from
+the empirical distribution of the last `LENGTHS_KEPT` finished requests (a request already past
+every recorded length counts as leaving at the next step). In steady state this gives the
+measured departure rate's answer; for a young batch it gives the wait its ages imply. Until
+`MIN_FINISHED` requests have finished there is no distribution: each running request is
+expected to produce exactly `min(max_tokens, OUTPUT_GUESS)` tokens (max_tokens is then the only
+hint; it is not used afterwards, since in the simulator it is each request's exact length).
+Seconds are steps times the unit's measured time per output token (core/tpot_meter.py), or the
+step model's decode step before any was measured. Batch-class requests are not counted: they
+yield their slots (core/batch_lane.py). A forecast holds for one step: it is kept until the
+running set moves.
+
+Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # load.py keeps the `OutputLengths` defined here
+    from tidal_core.load import LoadEstimator
+    from tidal_core.queues import UnitQueues
+    from tidal_core.request import Request
+    from tidal_core.tpot_meter import TpotMeter
+
+OUTPUT_GUESS = 256
+"""Output tokens expected of a request without max_tokens before any request has finished."""
+LENGTHS_KEPT = 512
+MIN_FINISHED = 16
+_REFRESH_EVERY = 16  # finishes between two sorts of the kept lengths
+
+
+class OutputLengths:
+    """The output lengths of the last `LENGTHS_KEPT` finished requests, kept sorted (refreshed
+    every `_REFRESH_EVERY` finishes; None until `MIN_FINISHED` have finished)."""
+
+    __slots__ = ("_kept", "_num_finished", "sorted")
+
+    def __init__(self) -> None:
+        self._kept: list[int] = []
+        self._num_finished = 0
+        self.sorted: list[int] | None = None
+
+    def on_finish(self, num_output_tokens: int) -> None:
+        kept = self._kept
+        if len(kept) < LENGTHS_KEPT:
+            kept.append(num_output_tokens)
+        else:
+            kept[self._num_finished % LENGTHS_KEPT] = num_output_tokens
+        self._num_finished += 1
+        if self._num_finished >= MIN_FINISHED and (self._num_finished % _REFRESH_EVERY == 0
+                                                   or self._num_finished == MIN_FINISHED):
+            self.sorted = sorted(kept)
+
+
+class _Running:
+    """The running requests' produced tokens read against the recorded lengths, for one step:
+    each one's count of lengths at or below it and its survivors (`steps` then costs one bisect
+    per request and probe, and probes are remembered across the step's questions)."""
+
+    __slots__ = ("expected_at", "gone", "hazard", "lengths")
+
+    def __init__(self, produced: list[int], lengths: list[int]) -> None:
+        n = len(lengths)
+        self.lengths = lengths
+        self.hazard: list[tuple[int, int, int]] = []  # (k, lengths <= k, survivors) of those expected to run on
+        self.gone = 0  # past every recorded length: they leave at the next step
+        for k in produced:
+            done = bisect.bisect_right(lengths, k)
+            if done == n:
+                self.gone += 1
+            else:
+                self.hazard.append((k, done, n - done))
+        self.expected_at: dict[int, float] = {}
+
+    def expected(self, s: int) -> float:
+        """Departures expected within `s` steps."""
+        e = self.expected_at.get(s)
+        if e is None:
+            lengths = self.lengths
+            e = self.expected_at[s] = self.gone + sum((bisect.bisect_right(lengths, k + s) - done) / left
+                                                      for k, done, left in self.hazard)
+        return e
+
+    def steps(self, j: int) -> int:
+        """Fewest steps within which `j` (at most the running count) departures are expected."""
+        if self.gone >= j:
+            return 1
+        top = max(1, self.lengths[-1] - min(k for k, _, _ in self.hazard))  # all of them gone by then
+        lo, hi = 0, 1
+        while hi < top and self.expected(hi) < j - 1e-9:
+            lo, hi = hi, min(2 * hi, top)
+        while hi - lo > 1:  # expected(lo) < j <= expected(hi)
+            mid = (lo + hi) // 2
+            if self.expected(mid) < j - 1e-9:
+                lo = mid
+            else:
+                hi = mid
+        return hi
+
+
+def steps_until(j: int, produced: list[int], lengths: list[int]) -> int:
+    """Fewest decode steps after which `j` of the requests that have produced `produced` tokens
+    are expected to have finished, output lengths drawn from `lengths` (sorted, non-empty).
+    `j` must be at most `len(produced)`."""
+    return _Running(produced, lengths).steps(j)
+
+
+class DepartureForecast:
+    """The slot wait of one unit (see the module doc)."""
+
+    __slots__ = ("_key", "_memo", "_running", "lengths", "load", "queues", "tpot")
+
+    def __init__(self, queues: UnitQueues, load: LoadEstimator, tpot: TpotMeter) -> None:
+        self.queues, self.load, self.tpot = queues, load, tpot
+        self.lengths = load.lengths
+        self._key: tuple[int, int, int, bool] = (-1, -1, -1, False)
+        self._memo: dict[int, int] = {}
+        self._running: _Running | list[int] | None = None
+
+    def wait_s(self, now: float, slots_short: int) -> float:
+        """Seconds until `slots_short` (> 0) running interactive requests have left; a queue that
+        needs the whole running batch to turn over waits at the measured departure rate."""
+        q = self.queues
+        decodes = q.decodes
+        if slots_short >= len(decodes.reqs) + len(q.prefilling) - q.num_batch_running:
+            return slots_short / self.load.departure_rate(now)
+        key = (decodes.step, len(decodes.reqs), len(q.prefilling), self.lengths.sorted is None)
+        if key != self._key:
+            self._key, self._memo, self._running = key, {}, None
+        steps = self._memo.get(slots_short)
+        if steps is None:
+            steps = self._memo[slots_short] = self._steps(slots_short)
+        return steps * (self.tpot.tpot_s(now) or self.load.service.step_time(0, max(1, len(decodes.reqs))))
+
+    def _steps(self, j: int) -> int:
+        running = self._running
+        if running is None:
+            q = self.queues
+            decoding = _interactive(q.decodes.reqs.values())
+            prefilling = _interactive(q.prefilling.values())
+            produced = [len(r.output_token_ids) for r in decoding] + [0] * len(prefilling)
+            lengths = self.lengths.sorted
+            if lengths is None:  # each is expected to produce exactly its guess
+                running = sorted(max(1, min(r.sampling.max_tokens, OUTPUT_GUESS) - k)
+                                 for r, k in zip(decoding + prefilling, produced, strict=True))
+            else:
+                running = _Running(produced, lengths)
+            self._running = running
+        return running[j - 1] if isinstance(running, list) else running.steps(j)
+
+
+def _interactive(reqs: Iterable[Request]) -> list[Request]:
+    return [r for r in reqs if not r.is_batch]
