@@ -8,12 +8,20 @@ amplification, how the retries arrive). Every attempt is recorded: its send time
 `Retry-After` / `retry-after-ms`, time to the response's headers, and for a 200 the time to its
 first text and whether it ended with `[DONE]`. Figures are returned, never asserted here.
 
+The sender's own garbage collector is off while the burst runs (`_no_gc`): its one full
+collection in a 2,000-request burst paused the event loop for 130-160 ms, which both delayed
+the sends due then (a clump the server answered one after another) and timestamped every
+response that arrived meanwhile that much late (benchmarks/RESULTS.md, "The slot wait of a
+young batch").
+
 Must not import torch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
 import math
 import random
@@ -145,12 +153,27 @@ async def run_burst(url: str, model: str, spec: BurstSpec, client_kind: str = "h
                 await asyncio.sleep(max(0.0, t0 + i * gap - time.perf_counter()))
                 return await _httpx_one(http, url, bodies[i], t0)
 
-        records = await asyncio.gather(*(one(i) for i in range(spec.n)))
+        with _no_gc():
+            records = await asyncio.gather(*(one(i) for i in range(spec.n)))
     for i, rec in enumerate(records):
         rec["i"] = i
         rec["scheduled_s"] = i * gap
     return {"client": client_kind, "n": spec.n, "seconds": spec.seconds, "records": list(records),
             "wall_s": round(time.perf_counter() - t0, 2)}
+
+
+@contextlib.contextmanager
+def _no_gc() -> Any:
+    """The cyclic garbage collector off for the block (reference counting still frees nearly
+    everything), then one collection."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+        gc.collect()
 
 
 def _outcome(rec: dict[str, Any]) -> str:
