@@ -46,30 +46,32 @@ OUTPUT_GUESS = 256
 """Output tokens expected of a request without max_tokens before any request has finished."""
 LENGTHS_KEPT = 512
 MIN_FINISHED = 16
-_REFRESH_EVERY = 16  # finishes between two sorts of the kept lengths
 
 
 class OutputLengths:
-    """The output lengths of the last `LENGTHS_KEPT` finished requests, kept sorted (refreshed
-    every `_REFRESH_EVERY` finishes; None until `MIN_FINISHED` have finished)."""
+    """The output lengths of the last `LENGTHS_KEPT` finished requests, kept sorted as they come
+    (`sorted` is None until `MIN_FINISHED` have finished)."""
 
-    __slots__ = ("_kept", "_num_finished", "sorted")
+    __slots__ = ("_kept", "_sorted", "num_finished", "sorted")
 
     def __init__(self) -> None:
         self._kept: list[int] = []
-        self._num_finished = 0
+        self._sorted: list[int] = []
+        self.num_finished = 0
         self.sorted: list[int] | None = None
 
     def on_finish(self, num_output_tokens: int) -> None:
-        kept = self._kept
+        kept, ordered = self._kept, self._sorted
         if len(kept) < LENGTHS_KEPT:
             kept.append(num_output_tokens)
         else:
-            kept[self._num_finished % LENGTHS_KEPT] = num_output_tokens
-        self._num_finished += 1
-        if self._num_finished >= MIN_FINISHED and (self._num_finished % _REFRESH_EVERY == 0
-                                                   or self._num_finished == MIN_FINISHED):
-            self.sorted = sorted(kept)
+            slot = self.num_finished % LENGTHS_KEPT
+            del ordered[bisect.bisect_left(ordered, kept[slot])]
+            kept[slot] = num_output_tokens
+        bisect.insort(ordered, num_output_tokens)
+        self.num_finished += 1
+        if self.num_finished >= MIN_FINISHED:
+            self.sorted = ordered
 
 
 class _Running:
@@ -133,7 +135,7 @@ class DepartureForecast:
     def __init__(self, queues: UnitQueues, load: LoadEstimator, tpot: TpotMeter) -> None:
         self.queues, self.load, self.tpot = queues, load, tpot
         self.lengths = load.lengths
-        self._key: tuple[int, int, int, bool] = (-1, -1, -1, False)
+        self._key: tuple[int, int, int, int] = (-1, -1, -1, -1)
         self._memo: dict[int, int] = {}
         self._running: _Running | list[int] | None = None
 
@@ -144,7 +146,7 @@ class DepartureForecast:
         decodes = q.decodes
         if slots_short >= len(decodes.reqs) + len(q.prefilling) - q.num_batch_running:
             return slots_short / self.load.departure_rate(now)
-        key = (decodes.step, len(decodes.reqs), len(q.prefilling), self.lengths.sorted is None)
+        key = (decodes.step, len(decodes.reqs), len(q.prefilling), self.lengths.num_finished)
         if key != self._key:
             self._key, self._memo, self._running = key, {}, None
         steps = self._memo.get(slots_short)
