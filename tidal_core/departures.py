@@ -1,7 +1,7 @@
 """When running requests will leave: the wait for a slot in a full running batch.
 
-Owns: `OutputLengths` (the output lengths of recently finished requests) and
-`DepartureForecast`, the TTFT predictor's slot wait (core/predictor.py). When the running
+Owns: `DepartureForecast`, the TTFT predictor's slot wait (core/predictor.py), read from the
+output lengths of recently finished requests (`OutputLengths`, core/load.py). When the running
 batch is at its cap, a prompt cannot start until `j` running requests have finished. How long
 that takes depends on where each running request is in its output, not only on the unit's mean
 departure rate: a burst's requests start together, and none finishes until each has produced
@@ -16,16 +16,17 @@ The forecast counts the decode steps `s` until `j` departures are expected,
     E(s) = sum over running requests r of P(L <= k_r + s | L > k_r) >= j
 
 with `k_r` the tokens `r` has produced (a prefilling request: 0) and `L` an output length, from
-the empirical distribution of the last `LENGTHS_KEPT` finished requests (a request already past
+the empirical distribution of the last 512 finished requests (a request already past
 every recorded length counts as leaving at the next step). In steady state this gives the
 measured departure rate's answer; for a young batch it gives the wait its ages imply. Until
-`MIN_FINISHED` requests have finished there is no distribution: each running request is
+16 requests have finished there is no distribution: each running request is
 expected to produce exactly `min(max_tokens, OUTPUT_GUESS)` tokens (max_tokens is then the only
 hint; it is not used afterwards, since in the simulator it is each request's exact length).
 Seconds are steps times the unit's measured time per output token (core/tpot_meter.py), or the
 step model's decode step before any was measured. Batch-class requests are not counted: they
-yield their slots (core/batch_lane.py). A forecast holds for one step: it is kept until the
-running set moves.
+yield their slots (core/batch_lane.py). A queue that needs the whole running batch to leave
+waits at the measured departure rate instead (the capacity estimate before any finish). A
+forecast holds for one step: it is kept until the running set moves.
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """
@@ -34,44 +35,11 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # load.py keeps the `OutputLengths` defined here
-    from tidal_core.load import LoadEstimator
-    from tidal_core.queues import UnitQueues
-    from tidal_core.request import Request
-    from tidal_core.tpot_meter import TpotMeter
-
-OUTPUT_GUESS = 256
-"""Output tokens expected of a request without max_tokens before any request has finished."""
-LENGTHS_KEPT = 512
-MIN_FINISHED = 16
-
-
-class OutputLengths:
-    """The output lengths of the last `LENGTHS_KEPT` finished requests, kept sorted as they come
-    (`sorted` is None until `MIN_FINISHED` have finished)."""
-
-    __slots__ = ("_kept", "_sorted", "num_finished", "sorted")
-
-    def __init__(self) -> None:
-        self._kept: list[int] = []
-        self._sorted: list[int] = []
-        self.num_finished = 0
-        self.sorted: list[int] | None = None
-
-    def on_finish(self, num_output_tokens: int) -> None:
-        kept, ordered = self._kept, self._sorted
-        if len(kept) < LENGTHS_KEPT:
-            kept.append(num_output_tokens)
-        else:
-            slot = self.num_finished % LENGTHS_KEPT
-            del ordered[bisect.bisect_left(ordered, kept[slot])]
-            kept[slot] = num_output_tokens
-        bisect.insort(ordered, num_output_tokens)
-        self.num_finished += 1
-        if self.num_finished >= MIN_FINISHED:
-            self.sorted = ordered
+from tidal_core.load import OUTPUT_GUESS, LoadEstimator
+from tidal_core.queues import UnitQueues
+from tidal_core.request import Request
+from tidal_core.tpot_meter import TpotMeter
 
 
 class _Running:

@@ -1,7 +1,9 @@
 """Load: the one definition every policy uses, measured from observations.
 
-Owns: `RateEstimator` (time-decayed event rate), `ServiceModel` (step time learned online from
-measured step times) and `LoadEstimator`, which defines
+Owns: `OutputLengths` (the output lengths of recently finished requests, kept sorted: the
+slot wait's distribution, core/departures.py), `RateEstimator` (time-decayed event rate),
+`ServiceModel` (step time learned online from measured step times) and `LoadEstimator`, which
+defines
 
     load = arrival_rate / service_capacity
 
@@ -23,15 +25,46 @@ Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall cl
 
 from __future__ import annotations
 
+import bisect
 import math
 
 from tidal_core.config import ServicePrior
-from tidal_core.departures import OUTPUT_GUESS, OutputLengths
 
 _P_SCALE = 1000.0  # prefill tokens are fitted per 1000 and decode seqs per 100, for conditioning
 _D_SCALE = 100.0
 _DRAIN_PARTS = 8  # shares of a backlog `ServiceModel.drain_time` integrates over
 _MIN_STEP_TOKENS = 16.0  # a step holds at least this much prompt beside its decodes (one block)
+
+OUTPUT_GUESS = 256
+"""Output tokens expected of a request without max_tokens before any request has finished."""
+LENGTHS_KEPT = 512
+MIN_FINISHED = 16
+
+
+class OutputLengths:
+    """The output lengths of the last `LENGTHS_KEPT` finished requests, kept sorted as they come
+    (`sorted` is None until `MIN_FINISHED` have finished)."""
+
+    __slots__ = ("_kept", "_sorted", "num_finished", "sorted")
+
+    def __init__(self) -> None:
+        self._kept: list[int] = []
+        self._sorted: list[int] = []
+        self.num_finished = 0
+        self.sorted: list[int] | None = None
+
+    def on_finish(self, num_output_tokens: int) -> None:
+        kept, ordered = self._kept, self._sorted
+        if len(kept) < LENGTHS_KEPT:
+            kept.append(num_output_tokens)
+        else:
+            slot = self.num_finished % LENGTHS_KEPT
+            del ordered[bisect.bisect_left(ordered, kept[slot])]
+            kept[slot] = num_output_tokens
+        bisect.insort(ordered, num_output_tokens)
+        self.num_finished += 1
+        if self.num_finished >= MIN_FINISHED:
+            self.sorted = ordered
 
 
 class RateEstimator:

@@ -8,7 +8,8 @@ import pytest
 
 from tests.helpers import FakeExecutor
 from tidal_core import AdmissionConfig, Request, SamplingParams, Scheduler, SchedulerConfig, ServicePrior, preset
-from tidal_core.departures import LENGTHS_KEPT, MIN_FINISHED, OutputLengths, steps_until
+from tidal_core.departures import steps_until
+from tidal_core.load import LENGTHS_KEPT, MIN_FINISHED, OutputLengths
 
 
 def test_lengths_wait_for_enough_finishes_then_keep_the_latest() -> None:
