@@ -16,7 +16,6 @@ whose first token came within the target, and their TTFT p50 / p99 / max. Run it
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -28,10 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from calibration.cost_model import CostModel
 from loadgen.lengths import sample_length_arrays
 from loadgen.records import Trace
-from loadgen.sim.config import SimConfig
-from loadgen.sim.runner import executor_factory, unit_config
+from loadgen.report import Slo
+from loadgen.sim.runner import RunSpec, sim_config, unit_config
 from loadgen.sim.simulation import simulate
-from tidal_core import preset
 
 
 def _shape(spec: str) -> tuple[int, float]:
@@ -70,10 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     trace = Trace("sim-burst", np.concatenate(arrivals), np.maximum(inputs, 8), np.maximum(outputs, 1),
                   duration_s=start)
     cost = CostModel.load(args.cost_model)
-    cfg = preset("adaptive", unit_config(cost))
-    cfg = dataclasses.replace(cfg, admission=dataclasses.replace(cfg.admission, target_ttft_s=args.ttft,
-                                                                  target_tpot_s=args.tpot))
-    out = simulate(trace, SimConfig(cfg, executor_factory(cost))).outcomes
+    spec = RunSpec(trace, unit_config(cost), cost, Slo(args.ttft, args.tpot))
+    out = simulate(trace, sim_config(spec, "adaptive")).outcomes
     for (first, n), (bn, seconds) in zip(spans, bursts, strict=True):
         ttft = out.ttft_s[first:first + n]
         ok = np.isfinite(ttft)

@@ -10,26 +10,21 @@ the forecast from the running requests' ages (core/departures.py) refuses them i
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from calibration.cost_model import CostModel
 from loadgen.records import Trace
-from loadgen.sim.config import SimConfig
-from loadgen.sim.runner import executor_factory, unit_config
+from loadgen.report import Slo
+from loadgen.sim.runner import RunSpec, sim_config, unit_config
 from loadgen.sim.simulation import simulate
-from tidal_core import preset
 
 
 def test_requests_admitted_behind_a_young_full_batch_keep_the_ttft_target() -> None:
     cost = CostModel.load("a100-llama70b-tp8")
-    cfg = preset("adaptive", unit_config(cost))
-    cfg = dataclasses.replace(cfg, admission=dataclasses.replace(cfg.admission, target_ttft_s=1.0, target_tpot_s=0.1))
     n = 2000
     prompts = np.random.default_rng(1).integers(70, 620, n)
     trace = Trace("burst", np.arange(n) * 10.0 / n, prompts, np.full(n, 128), duration_s=10.0)
-    run = simulate(trace, SimConfig(cfg, executor_factory(cost)))
+    run = simulate(trace, sim_config(RunSpec(trace, unit_config(cost), cost, Slo(1.0, 0.1)), "adaptive"))
     ttft = run.outcomes.ttft_s[np.isfinite(run.outcomes.ttft_s)]
     cap = max(run.samples.batch_size)
     assert ttft.size > cap >= 64  # the batch filled, and requests were admitted once it had
