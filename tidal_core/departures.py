@@ -98,11 +98,10 @@ def steps_until(j: int, produced: list[int], lengths: list[int]) -> int:
 class DepartureForecast:
     """The slot wait of one unit (see the module doc)."""
 
-    __slots__ = ("_key", "_memo", "_running", "lengths", "load", "queues", "tpot")
+    __slots__ = ("_key", "_memo", "_running", "load", "queues", "tpot")
 
     def __init__(self, queues: UnitQueues, load: LoadEstimator, tpot: TpotMeter) -> None:
         self.queues, self.load, self.tpot = queues, load, tpot
-        self.lengths = load.lengths
         self._key: tuple[int, int, int, int] = (-1, -1, -1, -1)
         self._memo: dict[int, int] = {}
         self._running: _Running | list[int] | None = None
@@ -114,7 +113,7 @@ class DepartureForecast:
         decodes = q.decodes
         if slots_short >= len(decodes.reqs) + len(q.prefilling) - q.num_batch_running:
             return slots_short / self.load.departure_rate(now)
-        key = (decodes.step, len(decodes.reqs), len(q.prefilling), self.lengths.num_finished)
+        key = (decodes.step, len(decodes.reqs), len(q.prefilling), self.load.lengths.num_finished)
         if key != self._key:
             self._key, self._memo, self._running = key, {}, None
         steps = self._memo.get(slots_short)
@@ -129,7 +128,7 @@ class DepartureForecast:
             decoding = _interactive(q.decodes.reqs.values())
             prefilling = _interactive(q.prefilling.values())
             produced = [len(r.output_token_ids) for r in decoding] + [0] * len(prefilling)
-            lengths = self.lengths.sorted
+            lengths = self.load.lengths.sorted
             if lengths is None:  # each is expected to produce exactly its guess
                 running = sorted(max(1, min(r.sampling.max_tokens, OUTPUT_GUESS) - k)
                                  for r, k in zip(decoding + prefilling, produced, strict=True))

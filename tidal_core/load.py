@@ -45,13 +45,16 @@ class OutputLengths:
     """The output lengths of the last `LENGTHS_KEPT` finished requests, kept sorted as they come
     (`sorted` is None until `MIN_FINISHED` have finished)."""
 
-    __slots__ = ("_kept", "_sorted", "num_finished", "sorted")
+    __slots__ = ("_kept", "_sorted", "num_finished")
 
     def __init__(self) -> None:
         self._kept: list[int] = []
         self._sorted: list[int] = []
         self.num_finished = 0
-        self.sorted: list[int] | None = None
+
+    @property
+    def sorted(self) -> list[int] | None:
+        return self._sorted if self.num_finished >= MIN_FINISHED else None
 
     def on_finish(self, num_output_tokens: int) -> None:
         kept, ordered = self._kept, self._sorted
@@ -63,8 +66,6 @@ class OutputLengths:
             kept[slot] = num_output_tokens
         bisect.insort(ordered, num_output_tokens)
         self.num_finished += 1
-        if self.num_finished >= MIN_FINISHED:
-            self.sorted = ordered
 
 
 class RateEstimator:

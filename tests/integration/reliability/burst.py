@@ -26,6 +26,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,7 +164,7 @@ async def run_burst(url: str, model: str, spec: BurstSpec, client_kind: str = "h
 
 
 @contextlib.contextmanager
-def _no_gc() -> Any:
+def _no_gc() -> Iterator[None]:
     """The cyclic garbage collector off for the block (reference counting still frees nearly
     everything), then one collection."""
     was = gc.isenabled()
