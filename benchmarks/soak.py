@@ -14,8 +14,14 @@ With `--days N` the day is played N times in a row (new prompts each day) and th
 after each: growth that stops after the first day is a high-water mark (memory Python keeps after
 the peak's concurrency), growth that repeats every day is a leak.
 
+With `--allocator jemalloc` every process of the cluster runs on the jemalloc that Ray ships
+(preloaded, with `--malloc-conf`), and the ServingUnit's live bytes as jemalloc counts them are
+reported beside its RSS (`--python-malloc` makes Python's objects come from it too, so the count
+covers them): live bytes that come back after the drain while RSS does not are memory the
+allocator retains after the peak, not memory the program holds.
+
     RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled python benchmarks/soak.py [--duration 600] [--days 1] \
-        [--out runs/soak]
+        [--allocator jemalloc [--python-malloc]] [--out runs/soak]
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,6 +53,18 @@ from tests.integration.reliability.load import (
     soak_trace,
 )
 
+# Freed pages go back within a second (muzzy pages would stay in RSS until the kernel reclaims them).
+JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
+
+
+def ray_jemalloc() -> str:
+    import ray
+
+    path = Path(ray.__file__).parent / "core" / "libjemalloc.so"
+    if not path.is_file():
+        raise SystemExit(f"--allocator jemalloc: this Ray install ships no {path.name} (looked in {path.parent})")
+    return str(path)
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -58,14 +77,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
                    help="trace the ServingUnit's allocations (tracemalloc, FRAMES deep) and report where memory "
                         "grew from the warm-up to the end of each day (slows the unit)")
+    p.add_argument("--allocator", choices=("system", "jemalloc"), default="system",
+                   help="jemalloc: run every process of the cluster on Ray's bundled jemalloc (LD_PRELOAD)")
+    p.add_argument("--malloc-conf", default=JEMALLOC_CONF, help="jemalloc's MALLOC_CONF with --allocator jemalloc")
+    p.add_argument("--python-malloc", action="store_true",
+                   help="PYTHONMALLOC=malloc: Python's objects from the C allocator instead of its own arenas")
     args = p.parse_args(argv)
+    if args.allocator == "jemalloc":
+        os.environ.update(LD_PRELOAD=ray_jemalloc(), MALLOC_CONF=args.malloc_conf)  # inherited by the cluster
+    if args.python_malloc:
+        os.environ["PYTHONMALLOC"] = "malloc"
     if args.tracemalloc:
-        import os
-
         os.environ["TIDAL_TRACEMALLOC"] = str(args.tracemalloc)  # inherited by the cluster's processes
     capacity = sim_capacity_rps()
     report: dict[str, Any] = {"machine_at_start": machine(), "capacity_rps": round(capacity, 3),
-                              "duration_s": args.duration, "peak_load": args.peak_load, "days": []}
+                              "duration_s": args.duration, "peak_load": args.peak_load, "days": [],
+                              "allocator": args.allocator, "python_malloc": args.python_malloc}
+    if args.allocator == "jemalloc":
+        report["malloc_conf"] = args.malloc_conf
     with serve_cluster([app_from_config("sim", "sim", "/sim")]) as base:
         url = base + "/sim"
         asyncio.run(run_load(url, "sim", azure_trace(2.0, 20.0, seed=1, max_output=64), args.out / "warmup"))
@@ -73,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         unit = router_handle("sim")
         unit.memory_growth.remote(baseline=True).result(timeout_s=120)
         before = first = replicas_rss("sim")
+        heap_before = unit.allocator_stats.remote().result(timeout_s=60)
         for day in range(args.days):
             trace = soak_trace(args.duration, args.peak_load, capacity, seed=args.seed + day)
             run, rss = asyncio.run(run_soak(url, "sim", trace, args.out / f"day{day}", drain_timeout_s=args.drain))
@@ -81,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             figures = {"day": day, **soak_figures(run, before, after, state), "drained_after_s": round(drain_s, 2),
                        "rss_growth_since_start": {k: round((after[k] - first[k]) / first[k], 4) for k in first},
                        "machine": machine()}
+            heap_after = unit.allocator_stats.remote().result(timeout_s=60)
+            if heap_before and heap_after:  # jemalloc's own counts, MB
+                figures["unit_allocator_mb"] = {k: [round(heap_before[k] / 2**20, 1), round(heap_after[k] / 2**20, 1)]
+                                                for k in heap_after if k in heap_before}
             report["days"].append(figures)
             print(json.dumps(figures, indent=1), flush=True)
             print("RSS (MB) every minute:", [{k: round(v / 2**20, 1) for k, v in s.items() if k != "t"}
@@ -90,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             if growth:
                 (args.out / f"day{day}" / "tracemalloc.txt").write_text("\n\n".join(growth))
                 print("ServingUnit memory growth since the warm-up (tracemalloc):", *growth[:6], sep="\n", flush=True)
-            before = after
+            before, heap_before = after, heap_after
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "soak.json").write_text(json.dumps(report, indent=1))
     return 0

@@ -11,6 +11,11 @@ not a leak). A container's memory limit and the dashboards see RSS, so the repli
 that memory back. The call walks the heap, so it runs in a thread, off the event loop.
 Where libc has no `malloc_trim` (musl, macOS) nothing is started.
 
+Also `jemalloc_stats()`: when a process runs on jemalloc (Ray ships a copy; `benchmarks/soak.py
+--allocator jemalloc` preloads it), the allocator's own count of live bytes beside what it
+keeps resident, which tells memory still held by the program from memory the allocator
+retains after a peak (docs/reliability.md, section 5).
+
 Must not import: torch, ray.
 """
 
@@ -50,6 +55,26 @@ def malloc_trim() -> Callable[[int], Any] | None:
     if fn is not None:
         fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     return fn
+
+
+JEMALLOC_STATS = ("allocated", "active", "resident", "mapped", "retained")
+
+
+def jemalloc_stats() -> dict[str, int] | None:
+    """jemalloc's `stats.*` counters in bytes (live, in active pages, resident, mapped, retained),
+    refreshed now; None when this process does not run on jemalloc."""
+    mallctl = getattr(ctypes.CDLL(None), "mallctl", None)
+    if mallctl is None:
+        return None
+    epoch = ctypes.c_uint64(1)
+    if mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.c_size_t(ctypes.sizeof(epoch))) != 0:
+        return None
+    out: dict[str, int] = {}
+    for name in JEMALLOC_STATS:
+        value, size = ctypes.c_size_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_size_t))
+        if mallctl(f"stats.{name}".encode(), ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)) == 0:
+            out[name] = int(value.value)
+    return out or None
 
 
 async def _trim_forever(trim: Callable[[int], Any], every_s: float) -> None:

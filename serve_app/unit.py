@@ -22,7 +22,7 @@ from ray import serve
 
 from serve_app.config_loader import AppArgs, EngineArgs, scheduler_config
 from serve_app.engine_loop import EngineLoop, StreamCoalescing
-from serve_app.memory_trim import start_trimming
+from serve_app.memory_trim import jemalloc_stats, start_trimming
 from serve_app.metrics import UnitMetrics, prefix_cache_counters
 from serve_app.unit_api import GenerateChunk, GenerateRequest, ModelInfo
 from tidal_core import Scheduler, UnitLoad
@@ -180,6 +180,11 @@ class ServingUnit:
         stats = snap.compare_to(self._memory_baseline, "traceback")
         return [f"{s.size_diff / 2**10:+.1f} KiB in {s.count_diff:+d} blocks\n" + "\n".join(s.traceback.format())
                 for s in stats[:top]]
+
+    async def allocator_stats(self) -> dict[str, int] | None:
+        """The allocator's live and resident bytes when this replica runs on jemalloc, else None
+        (serve_app/memory_trim.py; benchmarks/soak.py --allocator jemalloc)."""
+        return jemalloc_stats()
 
     def record_routing_stats(self) -> dict[str, float]:
         return self._stats()
