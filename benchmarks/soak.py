@@ -36,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' harness is the benchmark's too
 
+from serve_app.memory_trim import ray_jemalloc
 from tests.integration.reliability.cluster import (
     app_from_config,
     machine,
@@ -57,13 +58,12 @@ from tests.integration.reliability.load import (
 JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
 
 
-def ray_jemalloc() -> str:
-    import ray
-
-    path = Path(ray.__file__).parent / "core" / "libjemalloc.so"
-    if not path.is_file():
-        raise SystemExit(f"--allocator jemalloc: this Ray install ships no {path.name} (looked in {path.parent})")
-    return str(path)
+def preload_jemalloc(malloc_conf: str) -> None:
+    """Every process the cluster starts inherits these: Ray's own jemalloc, preloaded."""
+    path = ray_jemalloc()
+    if path is None:
+        raise SystemExit("--allocator jemalloc: this Ray install ships no ray/core/libjemalloc.so")
+    os.environ.update(LD_PRELOAD=str(path), MALLOC_CONF=malloc_conf)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="PYTHONMALLOC=malloc: Python's objects from the C allocator instead of its own arenas")
     args = p.parse_args(argv)
     if args.allocator == "jemalloc":
-        os.environ.update(LD_PRELOAD=ray_jemalloc(), MALLOC_CONF=args.malloc_conf)  # inherited by the cluster
+        preload_jemalloc(args.malloc_conf)
     if args.python_malloc:
         os.environ["PYTHONMALLOC"] = "malloc"
     if args.tracemalloc:

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import importlib.util
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("ray.serve")
@@ -58,6 +60,15 @@ def malloc_trim() -> Callable[[int], Any] | None:
 
 
 JEMALLOC_STATS = ("allocated", "active", "resident", "mapped", "retained")
+
+
+def ray_jemalloc() -> Path | None:
+    """The jemalloc that Ray's wheel ships (`ray/core/libjemalloc.so`; its own daemons run on it),
+    found without importing Ray; None when this install has none."""
+    spec = importlib.util.find_spec("ray")
+    roots = (spec.submodule_search_locations or []) if spec is not None else []
+    found = [Path(root) / "core" / "libjemalloc.so" for root in roots]
+    return next((path for path in found if path.is_file()), None)
 
 
 def jemalloc_stats() -> dict[str, int] | None:

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import ray
 
 from serve_app import memory_trim
 
@@ -77,10 +76,10 @@ def test_jemalloc_stats_is_none_on_the_system_allocator() -> None:
     assert memory_trim.jemalloc_stats() is None
 
 
-RAY_JEMALLOC = Path(ray.__file__).parent / "core" / "libjemalloc.so"
+RAY_JEMALLOC = memory_trim.ray_jemalloc()
 
 
-@pytest.mark.skipif(not RAY_JEMALLOC.is_file(), reason="this Ray install ships no jemalloc")
+@pytest.mark.skipif(RAY_JEMALLOC is None, reason="this Ray install ships no jemalloc")
 def test_jemalloc_stats_count_live_bytes_under_rays_jemalloc() -> None:
     # A child process on the jemalloc Ray ships (as `benchmarks/soak.py --allocator jemalloc`
     # runs the cluster): 64 MB allocated and freed must show in the live count, and resident
