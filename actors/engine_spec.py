@@ -44,6 +44,7 @@ class EngineSpec:
     torch_threads: int | None = None  # default: (cores - 1) split over the TP ranks, at least 1
     cpu_gemm: bool = True  # CPU float32: linears through pre-arranged weight layouts (models/cpu_gemm.py)
     cpu_attention: bool = True  # CPU float32: decodes read the KV blocks in place (models/cpu_attention.py)
+    cpu_block_gemm: bool = True  # CPU float32 from a GGUF: small linears read its blocks (models/block_gemm.py)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

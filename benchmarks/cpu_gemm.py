@@ -1,14 +1,17 @@
 """The CPU model step with and without `cpu_gemm` (pre-arranged linear weights), side by side.
 
 Two offline engines over SmolLM2-135M-Instruct (float32, one torch thread, the `continuous`
-core preset), one with `EngineSpec.cpu_gemm` on and one off, in the same process. For each
+core preset), one with `EngineSpec.cpu_gemm` on and one off, in the same process (`--flag
+cpu_block_gemm`: that switch instead, the GGUF's quantized blocks for linears of up to 8 rows;
+with `cpu_gemm` off neither runs). For each
 batch size, both run the same requests (`--prompt` tokens each, greedy, `ignore_eos`) in
 alternating rounds: the prefill step's and the decode steps' CPU time (this thread's, so a
 neighbour's load moves it less than wall time) and the generated tokens, which must be the
 same with both layouts. Prints per batch: ms of CPU per decode step, per prefill token, and
 the ratio on / off (below 1: faster).
 
-    python benchmarks/cpu_gemm.py [--batches 1,4,8,16] [--prompt 128] [--steps 16] [--rounds 3]
+    python benchmarks/cpu_gemm.py [--flag cpu_gemm|cpu_block_gemm] [--batches 1,4,8,16] [--prompt 128]
+                                  [--steps 16] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -62,13 +65,15 @@ def run_steps(ex: Any, cfg: Any, batch: int, prompt: int, steps: int, seed: int)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--flag", default="cpu_gemm", choices=("cpu_gemm", "cpu_block_gemm"),
+                    help="the EngineSpec switch the two engines differ in")
     ap.add_argument("--batches", default="1,4,8,16")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    engines = {True: offline_engine(cpu_gemm=True), False: offline_engine(cpu_gemm=False)}
+    engines = {on: offline_engine(**{args.flag: on}) for on in (True, False)}
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}

@@ -41,6 +41,8 @@ class EngineArgs(_Strict):
     cpu_gemm: bool = Field(True, description="CPU float32: linears through pre-arranged weight layouts")
     cpu_attention: bool = Field(True, description="CPU float32: decode attention reads the KV blocks in place "
                                 "(a C kernel); false: gather + SDPA")
+    cpu_block_gemm: bool = Field(True, description="CPU float32, a model converted from a GGUF: linears of up to "
+                                 "12 rows read the file's quantized blocks (the same weights, a C kernel)")
     compiled_graph: bool = Field(False, description="drive TP workers through a Ray Compiled Graph")
     step_timeout_s: float = Field(60.0, gt=0, description="a step slower than this means a dead worker")
     cost_model: str | None = Field(None, description="sim backend: calibration/costmodels name or YAML path")

@@ -68,7 +68,8 @@ def build_replica_group(engine: EngineArgs, max_num_batched_tokens: int, buckets
                       max_num_batched_tokens=max_num_batched_tokens, kv_cache_gb=engine.kv_cache_gb,
                       gpu_memory_utilization=engine.gpu_memory_utilization, cuda_graph_buckets=buckets,
                       enforce_eager=engine.enforce_eager, max_batch_size=max_batch_size,
-                      cpu_gemm=engine.cpu_gemm, cpu_attention=engine.cpu_attention)
+                      cpu_gemm=engine.cpu_gemm, cpu_attention=engine.cpu_attention,
+                      cpu_block_gemm=engine.cpu_block_gemm)
     group = ReplicaGroup(spec, step_timeout_s=engine.step_timeout_s, compiled_graph=engine.compiled_graph,
                          name_prefix=name_prefix)
     return group, None

@@ -1,19 +1,14 @@
 """The CPU decode attention that reads KV blocks in place: a small C kernel, built once, called by ctypes.
 
-Owns: building `csrc/paged_decode.c` into a shared library (`build()`), loading it (`load()`,
-building it first when missing) and `paged_decode(...)`, one call per layer for a whole decode
-batch of the portable backend on CPU in float32 (actors/models/attention.py).
+Owns: `KERNEL` (`csrc/paged_decode.c` as a shared library; `load()` builds it first when
+missing) and `paged_decode(...)`, one call per layer for a whole decode batch of the portable
+backend on CPU in float32 (actors/models/attention.py).
 
 Why: the portable decode path gathers every decode's blocks with `index_select` into a dense
 tensor and runs SDPA with a length mask; on one core the copy and SDPA's passes over it cost
 more than the one pass over K and one over V that reading the blocks in place needs.
 
-Build: gcc `-O3 -ffp-contract=fast` (with `-mavx2 -mfma` when /proc/cpuinfo lists both, a portable build otherwise),
-no torch headers, into `$TIDAL_CACHE_DIR/kernels/` (default `~/.cache/tidalserve/kernels/`) under
-a name that hashes the source and the flags, so an edited source or another CPU's flags build
-anew and an existing library is just loaded. `make setup` builds it; a process that finds it
-missing builds it on first use (about 1 s here; one already built loads in 0.5 ms). Written to
-a temporary file and renamed, so workers starting together never load a half-written library.
+Build: actors/models/ckernel.py (gcc at `make setup` or on first use, cached by source and flags).
 No gcc, or a failed build: `load()` returns None after one log line, and the caller keeps the
 gather + SDPA path.
 
@@ -27,105 +22,27 @@ Must not import: ray, serve_app.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from actors.models.ckernel import CKernel
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-BASE_FLAGS = ("-O3", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c11")
 _ERRORS = {1: "a context length outside [1, table width x block size]", 2: "a block id outside the cache",
            3: "out of memory"}
 
 _F32, _I64 = torch.float32, torch.int64
 
-_lib: ctypes.CDLL | None = None
-_tried = False
 
-
-def kernel_dir() -> Path:
-    # actors/model_loader.py's cache root (imported there from actors.models: not importable here).
-    return Path(os.environ.get("TIDAL_CACHE_DIR", "~/.cache/tidalserve")).expanduser() / "kernels"
-
-
-def cpu_flags() -> tuple[str, ...]:
-    """`-mavx2 -mfma` where this x86 CPU has both, nothing otherwise (gcc's baseline for the target)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return ()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return ("-mavx2", "-mfma") if {"avx2", "fma"} <= flags else ()
-    return ()
-
-
-def library_path(flags: tuple[str, ...] | None = None) -> Path:
-    flags = cpu_flags() if flags is None else flags
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(BASE_FLAGS + flags).encode()).hexdigest()[:16]
-    return kernel_dir() / f"paged_decode-{digest}.so"
-
-
-def build(flags: tuple[str, ...] | None = None, compiler: str | None = None) -> Path:
-    """Compile the kernel unless this source + flags already are; returns the library's path.
-    Raises RuntimeError when there is no compiler or it fails."""
-    flags = cpu_flags() if flags is None else flags
-    path = library_path(flags)
-    if path.exists():
-        return path
-    cc = compiler or os.environ.get("CC") or "gcc"
-    if shutil.which(cc) is None:
-        raise RuntimeError(f"no C compiler ({cc!r} not found)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        cmd = [cc, *BASE_FLAGS, *flags, "-o", tmp, str(SOURCE)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd[:-3])} failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
-
-
-def _bind(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.tidal_paged_decode
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
     fn.restype = ctypes.c_int
-    return lib
 
 
-def load() -> ctypes.CDLL | None:
-    """The kernel library of this process (built first if missing), or None, logged once, when it
-    cannot be built or loaded."""
-    global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    try:
-        _lib = _bind(build())
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("CPU decode attention kernel unavailable (%s): decodes use gather + SDPA", exc)
-        _lib = None
-    return _lib
+KERNEL = CKernel("paged_decode.c", _declare, "decodes use gather + SDPA")
+load = KERNEL.load
+main = KERNEL.main
 
 
 def available() -> bool:
@@ -168,16 +85,3 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                                 block_tables.shape[1], nb, scale)
     if rc:
         raise ValueError(f"paged_decode: {_ERRORS.get(rc, f'error {rc}')}")
-
-
-def main() -> int:
-    t0 = time.perf_counter()
-    try:
-        path = build()
-    except RuntimeError as exc:
-        print(f"CPU decode attention kernel not built: {exc}", file=sys.stderr)
-        return 1
-    print(f"{path} ({time.perf_counter() - t0:.2f} s)")
-    return 0
-
-

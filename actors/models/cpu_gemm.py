@@ -12,6 +12,8 @@ rows; the layer matmuls gain 10-45% the same way (benchmarks/cpu_gemm.py). So a 
 by the packed weight. Both are copies made once after loading; the model's own parameters stay
 as they are (the loader, TP sharding and the tests read them), so a CPU model holds its linear
 weights three times. Outputs match `F.linear` to float32 rounding (tests/actors/test_cpu_gemm.py).
+A model loaded from a GGUF also gets the file's quantized blocks (actors/models/block_gemm.py):
+calls of up to `MAX_ROWS` rows read those instead, and the transposed copy is dropped.
 
 Used only on CPU, float32, with oneDNN available; anything else keeps `F.linear`.
 
@@ -24,18 +26,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actors.models.block_gemm import MAX_ROWS, BlockWeights
+
 
 class CpuWeights:
-    __slots__ = ("bias", "packed", "transposed")
+    __slots__ = ("bias", "blocks", "packed", "transposed", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         w = weight.detach()
-        self.transposed = w.t().contiguous()  # [in, out]: a one-row product streams it once, in order
+        self.weight = w  # the module's own tensor, not a copy
+        self.transposed: torch.Tensor | None = w.t().contiguous()  # [in, out]: one row streams it once, in order
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)  # oneDNN's blocked layout
         self.bias = None if bias is None else bias.detach()
+        self.blocks: BlockWeights | None = None
+
+    def use_blocks(self, blocks: BlockWeights) -> None:
+        """Calls of up to `block_gemm.MAX_ROWS` rows read these quantized blocks (the same values);
+        the transposed copy, which only one-row calls read, is dropped."""
+        self.blocks, self.transposed = blocks, None
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and x.dim() == 2:
+        rows = x.shape[0]
+        if self.blocks is not None and rows <= MAX_ROWS:
+            out = self.blocks.matmul(x)
+            return out if self.bias is None else out.add_(self.bias)
+        if rows == 1 and self.transposed is not None:
             out = x @ self.transposed
             return out if self.bias is None else out.add_(self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

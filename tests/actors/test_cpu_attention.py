@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.models import cpu_attention
+from actors.models import ckernel, cpu_attention
 from actors.models.attention import AttentionMetadata, PrefillSpan, decode_attention, paged_attention
 from tests.model_helpers import GREEDY, generate_ids, local_executor, save_tiny_checkpoint, smollm2_path
 from tests.paged_reference import Case, make_case, reference
@@ -135,19 +135,20 @@ def test_paged_attention_step_with_the_kernel_matches_the_reference() -> None:
 
 def test_build_is_cached_and_named_by_source_and_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
-    path = cpu_attention.build()
+    path = cpu_attention.KERNEL.build()
     assert path.parent == tmp_path / "kernels" and path.exists()
     mtime = path.stat().st_mtime_ns
-    assert cpu_attention.build() == path and path.stat().st_mtime_ns == mtime  # found, not rebuilt
-    portable = cpu_attention.build(flags=())
-    assert portable != path or cpu_attention.cpu_flags() == ()
+    assert cpu_attention.KERNEL.build() == path and path.stat().st_mtime_ns == mtime  # found, not rebuilt
+    portable = cpu_attention.KERNEL.build(flags=())
+    assert portable != path or ckernel.cpu_flags() == ()
     assert [p.name for p in (tmp_path / "kernels").iterdir() if p.suffix == ".tmp"] == []
 
 
 def test_portable_build_matches_the_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The library a CPU without AVX2 / FMA gets (no -m flags: the plain loops) computes the same."""
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_attention, "_lib", cpu_attention._bind(cpu_attention.build(flags=())))
+    kernel = cpu_attention.KERNEL
+    monkeypatch.setattr(kernel, "_lib", kernel.bind(kernel.build(flags=())))
     for heads, kv_heads, head_dim, block_size in [(9, 3, 64, 16), (8, 2, 12, 4)]:
         case = make_case(LENS, [1] * len(LENS), heads, kv_heads, head_dim, block_size, seed=head_dim)
         assert (_kernel(case) - reference(case)).abs().max().item() < 2e-6
@@ -157,12 +158,12 @@ def test_no_compiler_falls_back_with_one_log_line(tmp_path: Path, monkeypatch: p
                                                   caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler-here")
-    monkeypatch.setattr(cpu_attention, "_lib", None)
-    monkeypatch.setattr(cpu_attention, "_tried", False)
-    with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
+    monkeypatch.setattr(cpu_attention.KERNEL, "_lib", None)
+    monkeypatch.setattr(cpu_attention.KERNEL, "_tried", False)
+    with caplog.at_level(logging.WARNING, logger=ckernel.__name__):
         assert cpu_attention.load() is None
         assert cpu_attention.load() is None  # tried once per process
-    lines = [r.getMessage() for r in caplog.records if r.name == cpu_attention.__name__]
+    lines = [r.getMessage() for r in caplog.records if r.name == ckernel.__name__]
     assert len(lines) == 1 and "no-such-compiler-here" in lines[0] and "gather + SDPA" in lines[0]
     tiny = save_tiny_checkpoint(tmp_path / "tiny", seed=2)
     ex = local_executor(tiny, block_size=4)

@@ -1,0 +1,205 @@
+"""Linears on a GGUF's quantized blocks (actors/models/block_gemm.py, csrc/block_gemm.c): the blocks
+widen to gguf-py's own dequantized values bit for bit; the kernel against a float64 product at
+1-13 rows, odd row counts of W and both builds (AVX2 and portable); the exactness check that
+guards attaching; the GGUF reader against gguf-py's; bad inputs refused; and engines that
+generate the same greedy tokens with the blocks and without (a tiny model whose GGUF has its
+rows permuted and its fused projections split, and SmolLM2 itself).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+from safetensors.torch import load_file, save_file
+
+from actors import model_loader
+from actors.models import block_gemm
+from actors.models.block_gemm import Q4_0, Q4_1, Q8_0, BlockWeights, _split_rows
+from tests.model_helpers import generate_ids, local_executor, save_tiny_checkpoint, smollm2_path
+
+pytestmark = pytest.mark.skipif(not block_gemm.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
+
+KINDS = [Q4_0, Q4_1, Q8_0]
+
+
+def _quantized(kind: int, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the file's raw rows, gguf-py's dequantization of them) for random weights."""
+    x = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    raw = quants.quantize(x, GGMLQuantizationType(kind))
+    return raw, quants.dequantize(raw, GGMLQuantizationType(kind))
+
+
+def _blocks(raw: np.ndarray, kind: int) -> BlockWeights:
+    return BlockWeights(kind, *(torch.from_numpy(a) for a in _split_rows(kind, raw)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_widen_to_gguf_py_values(kind: int) -> None:
+    raw, ref = _quantized(kind, 37, 160, seed=kind)
+    blocks = _blocks(raw, kind)
+    assert blocks.shape == (37, 160)
+    ours = blocks.dequantize().numpy()
+    # The kernel widens them the same way: x = I gives W^T, each sum a single product.
+    widened = blocks.matmul(torch.eye(160)).t().contiguous().numpy()
+    assert np.array_equal(ours, ref) and np.array_equal(widened, ref)
+    if kind != Q4_0:  # bit for bit; Q4_0's zero weights may differ in sign only (d * (q - 8) with d < 0)
+        assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
+        assert np.array_equal(widened.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.fixture(params=["native", "portable"])
+def build(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "portable":  # the library a CPU without AVX2 / FMA gets: the plain loops
+        monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+        kernel = block_gemm.KERNEL
+        monkeypatch.setattr(kernel, "_lib", kernel.bind(kernel.build(flags=())))
+        monkeypatch.setattr(kernel, "_tried", True)
+    return str(request.param)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_matches_a_float64_product(kind: int, build: str) -> None:
+    for n, k in [(1, 32), (2, 64), (7, 96), (97, 576)]:
+        raw, w = _quantized(kind, n, k, seed=n + k)
+        blocks = _blocks(raw, kind)
+        for rows in [0, 1, 2, 3, 4, 5, 6, 7, 9, 13]:
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            got = blocks.matmul(x)
+            ref = x.double() @ torch.from_numpy(w).double().t()
+            assert got.shape == (rows, n)
+            if rows:
+                assert (got.double() - ref).abs().max().item() <= 2e-6 * max(1.0, ref.abs().max().item()), (n, k, rows)
+
+
+def test_mismatch_names_the_first_row_that_differs() -> None:
+    raw, w = _quantized(Q4_1, 12, 64, seed=3)
+    blocks, weight = _blocks(raw, Q4_1), torch.from_numpy(w.copy())
+    assert block_gemm._mismatch(blocks, weight) == -1
+    weight[5, 17] = float(np.nextafter(weight[5, 17].item(), np.float32(1), dtype=np.float32))  # one ulp
+    weight[9, 0] += 1.0
+    assert block_gemm._mismatch(blocks, weight) == 5
+
+
+def test_bad_inputs_are_refused() -> None:
+    raw, _ = _quantized(Q8_0, 4, 64, seed=1)
+    blocks = _blocks(raw, Q8_0)
+    for x in (torch.randn(2, 32), torch.randn(2, 64, dtype=torch.float64), torch.randn(64)):
+        with pytest.raises(ValueError, match="x must be float32 CPU"):
+            blocks.matmul(x)
+    x = torch.randn(6, 64)
+    for view in (x[::2], torch.randn(64, 3).t()):  # strided views are copied, not misread
+        assert torch.equal(blocks.matmul(view), blocks.matmul(view.contiguous()))
+
+
+def _write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, int | None]]) -> None:
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_string("general.name", "test")
+    writer.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(300)])
+    writer.add_array("tokenizer.ggml.scores", [0.5] * 300)
+    writer.add_uint32("llama.block_count", 2)
+    for name, (data, kind) in tensors.items():
+        if kind is None:
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, data, raw_dtype=GGMLQuantizationType(kind))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_reader_finds_what_gguf_py_finds(tmp_path: Path) -> None:
+    files = {"a": (_quantized(Q4_1, 24, 96, 1)[0], Q4_1), "b": (_quantized(Q8_0, 5, 64, 2)[0], Q8_0),
+             "c": (_quantized(Q4_0, 3, 32, 3)[0], Q4_0), "norm": (np.ones(64, np.float32), None),
+             "dense": (np.ones((4, 64), np.float32), None)}
+    path = tmp_path / "t.gguf"
+    _write_gguf(path, files)
+    ours = {name: (kind, parts) for name, kind, *parts in block_gemm.read_gguf(path)}
+    assert sorted(ours) == ["a", "b", "c"]  # float tensors are not blocks
+    for t in GGUFReader(str(path)).tensors:
+        if t.name in ours:
+            kind, parts = ours[t.name]
+            assert kind == int(t.tensor_type)
+            for mine, theirs in zip(parts, _split_rows(kind, np.asarray(t.data)), strict=True):
+                assert np.array_equal(mine, theirs)
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF"):
+        block_gemm.read_gguf(tmp_path / "not.gguf")
+
+
+def _tiny_with_gguf(tmp_path: Path, tamper: str | None = None) -> Path:
+    """A tiny checkpoint whose linear weights are exact Q4_1 / Q8_0 values, with a GGUF of their
+    blocks beside it as `source.gguf`: rows of the attention projections permuted and stored
+    under names the loader never sees, as a converter's GGUF would hold them."""
+    path = save_tiny_checkpoint(tmp_path / "tiny", seed=4)
+    state = load_file(str(path / "model.safetensors"))
+    tensors: dict[str, tuple[np.ndarray, int | None]] = {}
+    rng = np.random.default_rng(0)
+    for i, (name, w) in enumerate(sorted(state.items())):
+        if w.dim() != 2 or "embed" in name:
+            continue
+        kind = Q8_0 if "lm_head" in name else Q4_1
+        raw = quants.quantize(w.numpy(), GGMLQuantizationType(kind))
+        state[name] = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType(kind)).copy())
+        order = rng.permutation(raw.shape[0]) if "proj" in name and "attn" in name else np.arange(raw.shape[0])
+        tensors[f"t{i}"] = (np.ascontiguousarray(raw[order]), kind)
+    if tamper is not None:
+        state[tamper][0, 0] += 1e-3  # no longer what the file holds
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    _write_gguf(path / model_loader.SOURCE_GGUF, tensors)
+    return path
+
+
+def _linears(ex: object) -> list[object]:
+    return [m.cpu_layouts for m in ex.runner.model.modules()  # type: ignore[attr-defined]
+            if getattr(m, "cpu_layouts", None) is not None]
+
+
+def test_tiny_engine_on_blocks_generates_the_same_tokens(tmp_path: Path) -> None:
+    path = _tiny_with_gguf(tmp_path)
+    on, off = local_executor(path, block_size=4), local_executor(path, block_size=4, cpu_block_gemm=False)
+    layouts = _linears(on)
+    assert len(layouts) == 2 * 4 + 1 and all(x.blocks is not None for x in layouts)  # type: ignore[attr-defined]
+    assert all(x.blocks is None for x in _linears(off))  # type: ignore[attr-defined]
+    prompts = [[1, 17, 33, 5, 9], list(range(3, 80)), [1, 200, 7], list(range(20, 37))]
+    assert generate_ids(on, prompts) == generate_ids(off, prompts)
+
+
+def test_a_weight_the_file_does_not_hold_keeps_float32(tmp_path: Path) -> None:
+    path = _tiny_with_gguf(tmp_path, tamper="model.layers.1.mlp.down_proj.weight")
+    ex = local_executor(path, block_size=4)
+    model = ex.runner.model
+    assert model.layers[1].mlp.down_proj.cpu_layouts.blocks is None
+    assert model.layers[0].mlp.down_proj.cpu_layouts.blocks is not None
+    assert sum(x.blocks is not None for x in _linears(ex)) == 2 * 4  # type: ignore[attr-defined]
+
+
+def test_keep_source_links_or_copies_once(tmp_path: Path) -> None:
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF" + bytes(100))
+    dest = tmp_path / "cache"
+    dest.mkdir()
+    assert model_loader.gguf_source(dest) is None
+    model_loader.keep_source(src, dest)
+    kept = model_loader.gguf_source(dest)
+    assert kept is not None and kept.read_bytes() == src.read_bytes()
+    model_loader.keep_source(src, dest)  # already there: untouched
+    assert [p.name for p in dest.iterdir()] == [model_loader.SOURCE_GGUF]
+
+
+def test_smollm2_greedy_tokens_identical_with_and_without_blocks() -> None:
+    path = smollm2_path()
+    assert model_loader.gguf_source(path) is not None  # prepare() keeps the GGUF beside the conversion
+    from tidal_core import SamplingParams
+
+    prompts = [[1, *range(200, 530)], list(range(1000, 1017)), [1, 504, 3458, 314, 4649, 253],
+               list(range(3000, 3128))]
+    sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    on = local_executor(path)
+    assert all(x.blocks is not None for x in _linears(on))  # type: ignore[attr-defined]
+    off = generate_ids(local_executor(path, cpu_block_gemm=False), prompts, sampling)
+    assert generate_ids(on, prompts, sampling) == off
