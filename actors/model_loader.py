@@ -14,6 +14,7 @@ Must not import: ray, serve_app.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import logging
@@ -130,17 +131,19 @@ def prepare(name: str) -> Path:
     if name in ALIASES:
         alias = ALIASES[name]
         dest = cache_root() / name
-        gguf_path = _package_dir(alias.package) / alias.filename
         if not (dest / _MARKER).exists():
-            convert_gguf(gguf_path, dest)
-        keep_source(gguf_path, dest)  # a conversion made before the source was kept
+            convert_gguf(_package_dir(alias.package) / alias.filename, dest)
+        elif gguf_source(dest) is None:  # a conversion made before the source was kept beside it
+            # (the package gone since: the cached conversion still serves, from float32 only)
+            with contextlib.suppress(FileNotFoundError):
+                keep_source(_package_dir(alias.package) / alias.filename, dest)
         return dest
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         dest = cache_root() / f"gguf-{path.stem.lower()}-{path.stat().st_size}"
         if not (dest / _MARKER).exists():
             convert_gguf(path.resolve(), dest)
-        keep_source(path.resolve(), dest)
+        keep_source(path.resolve(), dest)  # a conversion made before the source was kept beside it
         return dest
     if path.is_dir():
         if not (path / "config.json").exists():

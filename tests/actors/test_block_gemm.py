@@ -191,6 +191,29 @@ def test_keep_source_links_or_copies_once(tmp_path: Path) -> None:
     assert [p.name for p in dest.iterdir()] == [model_loader.SOURCE_GGUF]
 
 
+def test_prepare_adds_the_source_to_an_older_conversion_and_serves_without_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
+    dest = model_loader.cache_root() / model_loader.DEFAULT_MODEL
+    dest.mkdir(parents=True)
+    (dest / model_loader._MARKER).write_text("{}")  # converted before sources were kept
+    package = tmp_path / "pkg"
+    package.mkdir()
+    alias = model_loader.ALIASES[model_loader.DEFAULT_MODEL]
+    (package / alias.filename).write_bytes(b"GGUF" + bytes(16))
+    monkeypatch.setattr(model_loader, "_package_dir", lambda name: package)
+    assert model_loader.prepare(model_loader.DEFAULT_MODEL) == dest
+    assert model_loader.gguf_source(dest) is not None
+    (dest / model_loader.SOURCE_GGUF).unlink()
+
+    def gone(name: str) -> Path:
+        raise FileNotFoundError(name)
+
+    monkeypatch.setattr(model_loader, "_package_dir", gone)  # the package uninstalled since
+    assert model_loader.prepare(model_loader.DEFAULT_MODEL) == dest
+    assert model_loader.gguf_source(dest) is None
+
+
 def test_smollm2_greedy_tokens_identical_with_and_without_blocks() -> None:
     path = smollm2_path()
     assert model_loader.gguf_source(path) is not None  # prepare() keeps the GGUF beside the conversion
