@@ -73,8 +73,8 @@ class WorkerBuilder:
         else:
             model_loader.load_weights(model, self.path)
         if spec.cpu_gemm:
-            prepare_cpu_gemm(model)
             source = model_loader.gguf_source(self.path) if spec.cpu_block_gemm and self.path else None
+            prepare_cpu_gemm(model, transposed=source is None)
             if source is not None:
                 t0 = time.perf_counter()
                 count = attach_blocks(model, source)

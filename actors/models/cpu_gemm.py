@@ -13,7 +13,7 @@ by the packed weight. Both are copies made once after loading; the model's own p
 as they are (the loader, TP sharding and the tests read them), so a CPU model holds its linear
 weights three times. Outputs match `F.linear` to float32 rounding (tests/actors/test_cpu_gemm.py).
 A model loaded from a GGUF also gets the file's quantized blocks (actors/models/block_gemm.py):
-calls of up to `MAX_ROWS` rows read those instead, and the transposed copy is dropped.
+calls of up to `MAX_ROWS` rows read those instead, and the transposed copy is not kept.
 
 Used only on CPU, float32, with oneDNN available; anything else keeps `F.linear`.
 
@@ -32,10 +32,12 @@ from actors.models.block_gemm import MAX_ROWS, BlockWeights
 class CpuWeights:
     __slots__ = ("bias", "blocks", "packed", "transposed", "weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool = True) -> None:
         w = weight.detach()
         self.weight = w  # the module's own tensor, not a copy
-        self.transposed: torch.Tensor | None = w.t().contiguous()  # [in, out]: one row streams it once, in order
+        # [in, out]: one row streams it once, in order. Not made up front when blocks are to come
+        # (a linear left without them makes it on its first one-row call).
+        self.transposed: torch.Tensor | None = w.t().contiguous() if transposed else None
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)  # oneDNN's blocked layout
         self.bias = None if bias is None else bias.detach()
         self.blocks: BlockWeights | None = None
@@ -50,7 +52,9 @@ class CpuWeights:
         if self.blocks is not None and rows <= MAX_ROWS:
             out = self.blocks.matmul(x)
             return out if self.bias is None else out.add_(self.bias)
-        if rows == 1 and self.transposed is not None:
+        if rows == 1:
+            if self.transposed is None:
+                self.transposed = self.weight.t().contiguous()
             out = x @ self.transposed
             return out if self.bias is None else out.add_(self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -68,15 +72,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cpu
     return F.linear(x, weight, bias)
 
 
-def prepare_cpu_gemm(model: nn.Module) -> int:
+def prepare_cpu_gemm(model: nn.Module, transposed: bool = True) -> int:
     """Give every module with a `cpu_weights()` hook its CPU layouts (call after the weights are
-    loaded, and again if they change). Returns how many linears were prepared; 0 off CPU."""
+    loaded, and again if they change). Returns how many linears were prepared; 0 off CPU.
+    `transposed=False` when a GGUF's blocks will be attached next: the one-row copies are not made."""
     count = 0
     for module in model.modules():
         hook = getattr(module, "cpu_weights", None)
         if hook is None:
             continue
         weight, bias = hook()
-        module.cpu_layouts = CpuWeights(weight, bias) if supported(weight) else None
+        module.cpu_layouts = CpuWeights(weight, bias, transposed) if supported(weight) else None
         count += module.cpu_layouts is not None
     return count

@@ -173,9 +173,13 @@ def test_a_weight_the_file_does_not_hold_keeps_float32(tmp_path: Path) -> None:
     path = _tiny_with_gguf(tmp_path, tamper="model.layers.1.mlp.down_proj.weight")
     ex = local_executor(path, block_size=4)
     model = ex.runner.model
-    assert model.layers[1].mlp.down_proj.cpu_layouts.blocks is None
+    left = model.layers[1].mlp.down_proj.cpu_layouts
+    assert left.blocks is None and left.transposed is None  # no one-row copy made up front
     assert model.layers[0].mlp.down_proj.cpu_layouts.blocks is not None
     assert sum(x.blocks is not None for x in _linears(ex)) == 2 * 4  # type: ignore[attr-defined]
+    off = local_executor(path, block_size=4, cpu_block_gemm=False)
+    assert generate_ids(ex, [[1, 17, 33, 5, 9]]) == generate_ids(off, [[1, 17, 33, 5, 9]])  # one-row decodes
+    assert left.transposed is not None  # made on its first one-row call
 
 
 def test_keep_source_links_or_copies_once(tmp_path: Path) -> None:
