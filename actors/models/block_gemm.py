@@ -156,6 +156,8 @@ class _Cursor:
                 for _ in range(count):
                     self.skip_value(item)
             return None
+        if vtype not in _SCALAR:
+            raise ValueError(f"GGUF metadata value of unknown type {vtype}")
         return self.take(_SCALAR[vtype])
 
 

@@ -8,6 +8,7 @@ rows permuted and its fused projections split, and SmolLM2 itself).
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -129,6 +130,16 @@ def test_reader_finds_what_gguf_py_finds(tmp_path: Path) -> None:
     (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(64))
     with pytest.raises(ValueError, match="not a GGUF"):
         block_gemm.read_gguf(tmp_path / "not.gguf")
+    # A value type this reader does not know (a newer file) is refused, not misread.
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 3) + b"key" + struct.pack("<I", 99)
+    (tmp_path / "new.gguf").write_bytes(header + bytes(16))
+    with pytest.raises(ValueError, match="unknown type 99"):
+        block_gemm.read_gguf(tmp_path / "new.gguf")
+    # A file cut short: its blocks are refused, the loader keeps float32 (attach_blocks catches these).
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-1500])  # into the block tensors (the float ones come last)
+    with pytest.raises((ValueError, struct.error)):
+        block_gemm.read_gguf(cut)
 
 
 def _tiny_with_gguf(tmp_path: Path, tamper: str | None = None) -> Path:
