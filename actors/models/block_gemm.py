@@ -195,8 +195,10 @@ def read_gguf(path: Path) -> list[tuple[str, int, np.ndarray, np.ndarray, np.nda
 
 
 def _fingerprints(w: np.ndarray) -> list[bytes]:
-    """A row's first and last 32 weights' bytes: where to look for it (the match is then checked in full)."""
-    return [row.tobytes() for row in np.ascontiguousarray(np.concatenate([w[:, :QK], w[:, -QK:]], axis=1))]
+    """A row's first and last 32 weights' bytes: where to look for it (the match is then checked in full,
+    by value). Adding +0 turns -0 into +0, so a Q4_0 zero matches whichever sign the converter gave it."""
+    edges = np.concatenate([w[:, :QK], w[:, -QK:]], axis=1) + np.float32(0)
+    return [row.tobytes() for row in np.ascontiguousarray(edges)]
 
 
 def _edge_weights(kind: int, quants: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
@@ -251,13 +253,12 @@ def attach_blocks(model: nn.Module, gguf_path: Path) -> int:
 
 def _pick(tensors: list[tuple[str, int, np.ndarray, np.ndarray, np.ndarray]],
           candidates: list[tuple[int, int]] | None, row: np.ndarray) -> tuple[int, int] | None:
-    """The candidate row equal to `row` (several rows can share a fingerprint: near-twin embeddings)."""
+    """The candidate row equal to `row` in value (several rows can share a fingerprint: near-twin embeddings)."""
     if not candidates or len(candidates) == 1:
         return candidates[0] if candidates else None
     for i, r in candidates:
         _, kind, quants, scale, offset = tensors[i]
-        if np.array_equal(_dequantize(kind, quants[r:r + 1], scale[r:r + 1], offset[r:r + 1])[0].view(np.uint32),
-                          row.view(np.uint32)):
+        if np.array_equal(_dequantize(kind, quants[r:r + 1], scale[r:r + 1], offset[r:r + 1])[0], row):
             return i, r
     return None
 

@@ -143,7 +143,8 @@ def test_reader_finds_what_gguf_py_finds(tmp_path: Path) -> None:
 
 
 def _tiny_with_gguf(tmp_path: Path, tamper: str | None = None) -> Path:
-    """A tiny checkpoint whose linear weights are exact Q4_1 / Q8_0 values, with a GGUF of their
+    """A tiny checkpoint whose linear weights are exact Q4_0 / Q4_1 / Q8_0 values (Q4_0's zeros -0
+    where its scale is negative, as gguf-py and transformers give them), with a GGUF of their
     blocks beside it as `source.gguf`: rows of the attention projections permuted and stored
     under names the loader never sees, as a converter's GGUF would hold them."""
     path = save_tiny_checkpoint(tmp_path / "tiny", seed=4)
@@ -153,7 +154,7 @@ def _tiny_with_gguf(tmp_path: Path, tamper: str | None = None) -> Path:
     for i, (name, w) in enumerate(sorted(state.items())):
         if w.dim() != 2 or "embed" in name:
             continue
-        kind = Q8_0 if "lm_head" in name else Q4_1
+        kind = Q8_0 if "lm_head" in name else Q4_0 if "o_proj" in name else Q4_1
         raw = quants.quantize(w.numpy(), GGMLQuantizationType(kind))
         state[name] = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType(kind)).copy())
         order = rng.permutation(raw.shape[0]) if "proj" in name and "attn" in name else np.arange(raw.shape[0])
