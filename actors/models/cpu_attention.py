@@ -42,11 +42,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 KERNEL = CKernel("paged_decode.c", _declare, "decodes use gather + SDPA")
 load = KERNEL.load
+available = KERNEL.available
 main = KERNEL.main
-
-
-def available() -> bool:
-    return load() is not None
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

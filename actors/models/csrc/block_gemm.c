@@ -135,8 +135,7 @@ int tidal_block_gemm(const float *x, int64_t M, int64_t K, int kind, const uint8
             int R = (int)((M - i + tiles - 1) / tiles);
             if (R == 4) tile(x + i * K, K, 4, w, C, y + i * N + n, N);
             else if (R == 3) tile(x + i * K, K, 3, w, C, y + i * N + n, N);
-            else if (R == 2) tile(x + i * K, K, 2, w, C, y + i * N + n, N);
-            else tile(x + i * K, K, 1, w, C, y + i * N + n, N);
+            else tile(x + i * K, K, 2, w, C, y + i * N + n, N);  /* M > 1: an even split never leaves 1 */
             i += R;
         }
 #endif
