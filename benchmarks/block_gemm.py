@@ -10,6 +10,10 @@ over rounds is kept (a shared box only ever adds time). Also prints the largest 
 the outputs, relative to their scale: float32 rounding, the weights being the same values.
 
     python benchmarks/block_gemm.py [--rows 1,2,4,6,8,12,16] [--rounds 5]
+    python benchmarks/block_gemm.py --memory   # RSS of the loaded model, float32 layouts vs blocks
+
+`--memory` loads SmolLM2 in two fresh interpreters, as a worker does (`cpu_gemm` layouts, then
+the blocks when on), and prints each one's resident memory (VmRSS) once loaded.
 """
 
 from __future__ import annotations
@@ -17,9 +21,36 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+_LOAD = """
+import sys
+from actors import model_loader
+from actors.models.block_gemm import attach_blocks
+from actors.models.cpu_gemm import prepare_cpu_gemm
+blocks = sys.argv[1] == "blocks"
+path = model_loader.prepare(model_loader.DEFAULT_MODEL)
+model = model_loader.load_model(model_loader.DEFAULT_MODEL)
+prepare_cpu_gemm(model, transposed=not blocks)
+n = attach_blocks(model, model_loader.gguf_source(path)) if blocks else 0
+rss = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))
+print(n, rss // 1024)
+"""
+
+
+def memory() -> int:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    for mode in ("float32", "blocks"):
+        out = subprocess.run([sys.executable, "-c", _LOAD, mode], capture_output=True, text=True, env=env, check=True)
+        linears, rss = out.stdout.split()
+        print(f"{mode:8s}: {rss} MB resident once loaded ({linears} linears on blocks)", flush=True)
+    return 0
 
 
 def main() -> int:
@@ -27,7 +58,10 @@ def main() -> int:
     ap.add_argument("--rows", default="1,2,4,6,8,12,16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--memory", action="store_true", help="resident memory of the loaded model, both ways")
     args = ap.parse_args()
+    if args.memory:
+        return memory()
 
     import torch
 
