@@ -45,6 +45,7 @@ class EngineSpec:
     cpu_gemm: bool = True  # CPU float32: linears through pre-arranged weight layouts (models/cpu_gemm.py)
     cpu_attention: bool = True  # CPU float32: decodes read the KV blocks in place (models/cpu_attention.py)
     cpu_block_gemm: bool = True  # CPU float32 from a GGUF: small linears read its blocks (models/block_gemm.py)
+    cpu_fused_ops: bool = True  # CPU float32: norms, SiLU and RoPE in one C call each (models/cpu_fused.py)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from actors.block_tables import BlockTableStore
 from actors.cuda_graphs import CudaGraphRunner
 from actors.input_batch import RequestState, StepInputs, build_inputs
-from actors.models import LlamaForCausalLM, cpu_attention
+from actors.models import LlamaForCausalLM, cpu_attention, cpu_fused
 from actors.models.attention import BACKENDS
 from actors.paged_attention import build_prefill
 from actors.sampler import Sampler
@@ -52,7 +52,8 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  num_blocks: int, sampler_seed: int | None = None, graphs: CudaGraphRunner | None = None,
                  attention_backend: str = "portable", vectorized_tables: bool | None = None,
-                 clock: StepClock | None = None, cpu_attention_kernel: bool = True) -> None:
+                 clock: StepClock | None = None, cpu_attention_kernel: bool = True,
+                 cpu_fused_ops: bool = True) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -69,6 +70,9 @@ class ModelRunner:
         # asked not to or the kernel cannot be built (then gather + SDPA, after one log line).
         self.cpu_decode = (cpu_attention_kernel and attention_backend == "portable" and self.device.type == "cpu"
                            and kv_caches[0][0].dtype == torch.float32 and cpu_attention.available())
+        # Likewise the ops between the matmuls (norms, SiLU, RoPE: models/cpu_fused.py) in one C call each.
+        self.cpu_fused = (cpu_fused_ops and attention_backend == "portable" and self.device.type == "cpu"
+                          and kv_caches[0][0].dtype == torch.float32 and cpu_fused.available())
         # One gathered tensor of block tables (default on GPU; CPU keeps the per-request lists).
         if vectorized_tables is None:
             vectorized_tables = self.device.type == "cuda"
@@ -124,6 +128,7 @@ class ModelRunner:
         meta = inputs.meta
         meta.backend = self.attention_backend
         meta.cpu_decode = self.cpu_decode
+        meta.cpu_fused = self.cpu_fused
         if meta.backend == "triton" and meta.prefills:
             attn = self.model.layers[0].self_attn
             meta.triton_prefill = build_prefill(meta.prefills, self.scratch_block,

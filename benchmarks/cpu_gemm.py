@@ -65,7 +65,7 @@ def run_steps(ex: Any, cfg: Any, batch: int, prompt: int, steps: int, seed: int)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--flag", default="cpu_gemm", choices=("cpu_gemm", "cpu_block_gemm"),
+    ap.add_argument("--flag", default="cpu_gemm", choices=("cpu_gemm", "cpu_block_gemm", "cpu_fused_ops"),
                     help="the EngineSpec switch the two engines differ in")
     ap.add_argument("--batches", default="1,4,8,16")
     ap.add_argument("--prompt", type=int, default=128)

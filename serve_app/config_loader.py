@@ -43,6 +43,8 @@ class EngineArgs(_Strict):
                                 "(a C kernel); false: gather + SDPA")
     cpu_block_gemm: bool = Field(True, description="CPU float32, a model converted from a GGUF: linears of up to "
                                  "12 rows read the file's quantized blocks (the same weights, a C kernel)")
+    cpu_fused_ops: bool = Field(True, description="CPU float32: RMSNorm (with the residual add), SiLU x up and "
+                                "RoPE in one C call each instead of PyTorch's ~25 ops a layer")
     compiled_graph: bool = Field(False, description="drive TP workers through a Ray Compiled Graph")
     step_timeout_s: float = Field(60.0, gt=0, description="a step slower than this means a dead worker")
     cost_model: str | None = Field(None, description="sim backend: calibration/costmodels name or YAML path")

@@ -13,7 +13,7 @@ No gcc, or a failed build: `load()` returns None after one log line naming what 
 instead.
 
 Users: actors/models/cpu_attention.py (decode attention in place), actors/models/block_gemm.py
-(linears on quantized blocks).
+(linears on quantized blocks), actors/models/cpu_fused.py (the ops between a layer's matmuls).
 
 Must not import: ray, serve_app.
 """
@@ -61,17 +61,20 @@ def cpu_flags() -> tuple[str, ...]:
 
 class CKernel:
     """One C source built into a shared library; `bind` declares its functions' ctypes signatures.
-    `fallback` says what callers do without it (the one log line when it cannot be had)."""
+    `fallback` says what callers do without it (the one log line when it cannot be had);
+    `extra_flags` come after the base and CPU flags (so they win where they disagree)."""
 
-    def __init__(self, source: str, bind: Callable[[ctypes.CDLL], None], fallback: str) -> None:
+    def __init__(self, source: str, bind: Callable[[ctypes.CDLL], None], fallback: str,
+                 extra_flags: tuple[str, ...] = ()) -> None:
         self.source = CSRC / source
         self._declare = bind
         self.fallback = fallback
+        self.extra_flags = extra_flags
         self._lib: ctypes.CDLL | None = None
         self._tried = False
 
     def library_path(self, flags: tuple[str, ...] | None = None) -> Path:
-        flags = cpu_flags() if flags is None else flags
+        flags = (cpu_flags() if flags is None else flags) + self.extra_flags
         digest = hashlib.sha256(self.source.read_bytes() + " ".join(BASE_FLAGS + flags).encode()).hexdigest()[:16]
         return kernel_dir() / f"{self.source.stem}-{digest}.so"
 
@@ -80,6 +83,7 @@ class CKernel:
         Raises RuntimeError when there is no compiler or it fails."""
         flags = cpu_flags() if flags is None else flags
         path = self.library_path(flags)
+        flags += self.extra_flags
         if path.exists():
             return path
         cc = compiler or os.environ.get("CC") or "gcc"

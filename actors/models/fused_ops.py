@@ -14,7 +14,8 @@ from PyTorch's by float32 rounding; in bf16 each agrees within a rounding
 (tests/actors/test_fused_ops.py runs them under Triton's interpreter on CPU, compiled on a GPU).
 
 Used when the model runs with the Triton backend (actors/models/llama.py: `meta.backend ==
-"triton"`, CUDA with Triton); the portable path (CPU serving) keeps the PyTorch ops.
+"triton"`, CUDA with Triton); CPU serving in float32 has C versions of the same three
+(actors/models/cpu_fused.py), and the portable path elsewhere keeps the PyTorch ops.
 
 Must not import: ray, serve_app.
 """

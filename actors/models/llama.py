@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actors.models import cpu_fused, fused_ops
 from actors.models.attention import AttentionMetadata, attend_in_cache, paged_attention
 from actors.models.config import ModelConfig
-from actors.models.fused_ops import rms_norm, rope_and_cache, silu_and_mul
 from actors.models.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -59,9 +59,11 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
-    def fused(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One Triton kernel: norm(x + residual) and the sum (norm(x) and None without a residual)."""
-        return rms_norm(x, self.weight, self.eps, residual)
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None,
+              on_cpu: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One kernel (Triton's, or the CPU one with `on_cpu`): norm(x + residual) and the sum
+        (norm(x) and None without a residual)."""
+        return (cpu_fused if on_cpu else fused_ops).rms_norm(x, self.weight, self.eps, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -79,13 +81,18 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         if meta.backend == "triton":  # fused: RoPE and the K/V cache write in one kernel, attention reads in place
-            q = rope_and_cache(self.qkv_proj(x), cos, sin, meta.slot_mapping, kv[0], kv[1], self.shard.q_count,
-                               self.shard.kv_count, self.head_dim)
+            q = fused_ops.rope_and_cache(self.qkv_proj(x), cos, sin, meta.slot_mapping, kv[0], kv[1],
+                                         self.shard.q_count, self.shard.kv_count, self.head_dim)
             return self.o_proj(attend_in_cache(q, kv[0], kv[1], meta, self.scale).reshape(t, self.q_size))
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, -1, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, -1, self.head_dim), cos, sin)
-        out = paged_attention(q, k, v.view(t, -1, self.head_dim), kv[0], kv[1], meta, self.scale)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, -1, self.head_dim)
+        if meta.cpu_fused:  # one C call rotates the queries and keys (actors/models/cpu_fused.py)
+            q, k = cpu_fused.rope_qk(qkv, cos, sin, self.shard.q_count, self.shard.kv_count, self.head_dim)
+        else:
+            q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
+            q = apply_rotary(q.view(t, -1, self.head_dim), cos, sin)
+            k = apply_rotary(k.view(t, -1, self.head_dim), cos, sin)
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -96,9 +103,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * self.local, False, dtype)
         self.down_proj = RowParallelLinear(self.local, cfg.hidden_size, tp, dtype)
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        if fused:
-            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, fused: bool = False, on_cpu: bool = False) -> torch.Tensor:
+        if fused:  # one kernel for the gate: Triton's, or the CPU one with `on_cpu`
+            return self.down_proj((cpu_fused if on_cpu else fused_ops).silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split([self.local, self.local], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -114,14 +121,15 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the caller adds them, or the next
-        layer's norm does (fused on the Triton backend). `residual` is None at the first layer."""
-        fused = meta.backend == "triton"
-        if fused:
-            h, res = self.input_layernorm.fused(x, residual)
+        layer's norm does (fused on the Triton backend, and on CPU with `meta.cpu_fused`). `residual`
+        is None at the first layer."""
+        on_cpu = meta.cpu_fused
+        if on_cpu or meta.backend == "triton":
+            h, res = self.input_layernorm.fused(x, residual, on_cpu)
             residual = x if res is None else res
-            h, residual = self.post_attention_layernorm.fused(self.self_attn(h, cos, sin, kv, meta), residual)
+            h, residual = self.post_attention_layernorm.fused(self.self_attn(h, cos, sin, kv, meta), residual, on_cpu)
             assert residual is not None
-            return self.mlp(h, fused=True), residual
+            return self.mlp(h, fused=True, on_cpu=on_cpu), residual
         residual = x if residual is None else x + residual
         residual = residual + self.self_attn(self.input_layernorm(residual), cos, sin, kv, meta)
         return self.mlp(self.post_attention_layernorm(residual)), residual
@@ -153,8 +161,8 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv, meta)
-        if meta.backend == "triton":
-            return self.norm.fused(x, residual)[0]
+        if meta.backend == "triton" or meta.cpu_fused:
+            return self.norm.fused(x, residual, meta.cpu_fused)[0]
         return self.norm(x if residual is None else x + residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
