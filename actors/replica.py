@@ -6,9 +6,11 @@ shutdown) and `WorkerFailure`, the one exception a driver sees when a worker die
 Placement: one bundle per rank in a STRICT_PACK placement group (same node: the TP
 collectives are intra-node) - `{"GPU": 1, "CPU": 1}` on GPU nodes, a fractional CPU bundle on
 CPU so TP=2 fits a 2-CPU Ray cluster next to Serve. Every rank gets every plan; rank 0's
-StepResult is returned. Transport: plain actor calls, or a Ray Compiled Graph (lower per-step
-overhead, see benchmarks/control_plane.py; the default on CUDA). Compiled-graph actors spin a
-core while the graph exists, so always call `shutdown()`.
+StepResult is returned. Transport: a Ray Compiled Graph (lower per-step overhead, see
+benchmarks/control_plane.py; the default on CUDA), or, without one, a Unix socket per worker when
+every worker shares the unit's node (actors/step_socket.py: `step_socket`, on by default), else
+plain actor calls. Start-up, health checks and the offline engine's `execute_blocking` are always
+actor calls. Compiled-graph actors spin a core while the graph exists, so always call `shutdown()`.
 
 The simulated GPU (Serve's "sim" backend) is not a replica group: it is
 `calibration.simulated_replica.SimulatedReplica`, with the same interface and no Ray.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
 
 import ray
@@ -28,8 +31,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.engine_spec import EngineInfo, EngineSpec
+from actors.step_socket import ChannelError, StepChannel
 from actors.tp_worker import TPWorker
 from tidal_core.plan import StepPlan, StepResult
+
+log = logging.getLogger(__name__)
 
 
 class WorkerFailure(RuntimeError):
@@ -39,12 +45,13 @@ class WorkerFailure(RuntimeError):
 class ReplicaGroup:
     def __init__(self, spec: EngineSpec, *, step_timeout_s: float = 60.0, init_timeout_s: float = 600.0,
                  cpus_per_worker: float = 0.01, compiled_graph: bool | None = None,
-                 name_prefix: str | None = None) -> None:
+                 name_prefix: str | None = None, step_socket: bool = True) -> None:
         self.spec = spec
         self.step_timeout_s = step_timeout_s
         self.workers: list[Any] = []
         self.pg: Any = None
         self._dag: Any = None
+        self._channel: StepChannel | None = None
         self._own_pg = False
         self.name_prefix = name_prefix  # workers are named `{prefix}-r{rank}` (operators, fault tests)
         try:
@@ -53,6 +60,8 @@ class ReplicaGroup:
             # CPU box where the same cores run the model. None = on for CUDA only.
             if compiled_graph or (compiled_graph is None and spec.resolved_device() == "cuda"):
                 self._dag = self._compile()
+            elif step_socket:
+                self._channel = self._open_channel(init_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -105,6 +114,24 @@ class ReplicaGroup:
         ray.get(self.pg.ready(), timeout=timeout_s)
         return 0
 
+    def _open_channel(self, timeout_s: float) -> StepChannel | None:
+        """Unix sockets to the workers when all of them run on this process's node, else None
+        (actor calls). A failure to open them is logged and leaves actor calls in place."""
+        here = ray.get_runtime_context().get_node_id()
+        nodes = ray.get([w.node_id.remote() for w in self.workers], timeout=timeout_s)
+        if any(node != here for node in nodes):
+            return None
+        try:
+            return StepChannel(ray.get([w.open_step_socket.remote() for w in self.workers], timeout=timeout_s))
+        except (OSError, RayError) as exc:
+            log.warning("step sockets to the TP workers unavailable (%s): steps go through actor calls", exc)
+            return None
+
+    @property
+    def transport(self) -> str:
+        """How steps reach the workers: "compiled_graph", "socket" or "actor_calls"."""
+        return "compiled_graph" if self._dag is not None else "socket" if self._channel is not None else "actor_calls"
+
     def _compile(self) -> Any:
         from ray.dag import InputNode, MultiOutputNode
 
@@ -144,6 +171,15 @@ class ReplicaGroup:
     # ---- steps ------------------------------------------------------------------------------
     async def execute(self, plan: StepPlan) -> StepResult:
         """Run one plan on every rank; rank 0's result. Raises WorkerFailure, never hangs."""
+        if self._channel is not None:
+            try:
+                async with asyncio.timeout(self.step_timeout_s):
+                    results = await self._channel.execute(plan)
+            except TimeoutError as exc:
+                raise self._failure(plan, exc) from exc
+            except ChannelError as exc:
+                raise WorkerFailure(f"step {plan.step_id}: {exc}") from exc
+            return self._rank0(plan, results)
         try:
             if self._dag is not None:
                 futures = await self._dag.execute_async(plan)
@@ -191,6 +227,9 @@ class ReplicaGroup:
             raise WorkerFailure(f"replica unhealthy: {exc}") from exc
 
     def shutdown(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
         if self._dag is not None:
             with contextlib.suppress(Exception):
                 self._dag.teardown()

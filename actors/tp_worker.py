@@ -23,6 +23,7 @@ from tidal_core.plan import StepPlan, StepResult
 
 if TYPE_CHECKING:
     from actors.model_runner import ModelRunner
+    from actors.step_socket import StepServer
     from actors.worker_setup import WorkerBuilder
 
 
@@ -33,6 +34,7 @@ class TPWorker:
         self.world_size = world_size
         self.builder: WorkerBuilder | None = None
         self.runner: ModelRunner | None = None
+        self.step_server: StepServer | None = None
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a free port for torch.distributed's TCP store."""
@@ -75,6 +77,19 @@ class TPWorker:
         result = self.runner.execute(plan)
         return result if self.rank == 0 else None
 
+    def node_id(self) -> str:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
+    def open_step_socket(self) -> str:
+        """Take steps through a Unix socket as well (actors/step_socket.py); returns its address."""
+        from actors.step_socket import StepServer
+
+        if self.step_server is None:
+            self.step_server = StepServer(self.execute)
+        return self.step_server.address
+
     def check_health(self) -> int:
         return self.rank
 
@@ -82,6 +97,8 @@ class TPWorker:
         return self.runner.num_requests if self.runner is not None else 0
 
     def shutdown(self) -> None:
+        if self.step_server is not None:
+            self.step_server.close()
         self.runner = None
         import torch.distributed as dist
 
