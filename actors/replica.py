@@ -7,9 +7,9 @@ Placement: one bundle per rank in a STRICT_PACK placement group (same node: the 
 collectives are intra-node) - `{"GPU": 1, "CPU": 1}` on GPU nodes, a fractional CPU bundle on
 CPU so TP=2 fits a 2-CPU Ray cluster next to Serve. Every rank gets every plan; rank 0's
 StepResult is returned. Transport: a Ray Compiled Graph (lower per-step overhead, see
-benchmarks/control_plane.py; the default on CUDA), or, without one, a Unix socket per worker when
-every worker shares the unit's node (actors/step_socket.py: `step_socket`, on by default), else
-plain actor calls. Start-up, health checks and the offline engine's `execute_blocking` are always
+benchmarks/control_plane.py; the default on CUDA), or, without one, a Unix socket per CPU worker
+when every worker shares the unit's node (actors/step_socket.py: `step_socket`, on by default),
+else plain actor calls. Start-up, health checks and the offline engine's `execute_blocking` are always
 actor calls. Compiled-graph actors spin a core while the graph exists, so always call `shutdown()`.
 
 The simulated GPU (Serve's "sim" backend) is not a replica group: it is
@@ -60,7 +60,7 @@ class ReplicaGroup:
             # CPU box where the same cores run the model. None = on for CUDA only.
             if compiled_graph or (compiled_graph is None and spec.resolved_device() == "cuda"):
                 self._dag = self._compile()
-            elif step_socket:
+            elif step_socket and spec.resolved_device() == "cpu":  # GPU workers: not run on a GPU yet
                 self._channel = self._open_channel(init_timeout_s)
         except BaseException:
             self.shutdown()

@@ -11,11 +11,12 @@ trip"), and the worker sits idle through all of it. At the 20-90 ms steps of a C
 is 3-13% of the worker's time. Over a local socket a plan reaches a worker blocked in `recv`
 in tens of microseconds.
 
-Used by actors/replica.py for workers on the unit's node when the group does not run a Ray
-Compiled Graph (`EngineSpec`-independent: `ReplicaGroup(step_socket=...)`, `engine.step_socket`
-in a serve config). Start-up, health checks and shutdown stay Ray calls. A worker that dies
-closes its socket: the unit's read ends at once and the step fails with `WorkerFailure`
-instead of waiting out the step timeout.
+Used by actors/replica.py for CPU workers on the unit's node when the group does not run a Ray
+Compiled Graph (`ReplicaGroup(step_socket=...)`, `engine.step_socket` in a serve config; GPU
+workers keep actor calls: a step thread of their own has not run on a GPU yet). Start-up,
+health checks and shutdown stay Ray calls. A worker that dies closes its socket: the unit's
+read ends at once and the step fails with `WorkerFailure` instead of waiting out the step
+timeout.
 
 Protocol: the unit sends `pickle(plan)`; the worker answers `pickle((True, result))` or, when
 its step raised, `pickle((False, "ExcType: message"))`. One connection at a time per worker, one

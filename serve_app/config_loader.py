@@ -46,8 +46,8 @@ class EngineArgs(_Strict):
     cpu_fused_ops: bool = Field(True, description="CPU float32: RMSNorm (with the residual add), SiLU x up and "
                                 "RoPE in one C call each instead of PyTorch's ~25 ops a layer")
     compiled_graph: bool = Field(False, description="drive TP workers through a Ray Compiled Graph")
-    step_socket: bool = Field(True, description="without a compiled graph: steps reach TP workers on the unit's "
-                              "node through a Unix socket instead of a Ray actor call (about 3 ms less a step)")
+    step_socket: bool = Field(True, description="CPU workers without a compiled graph: steps reach TP workers on "
+                              "the unit's node through a Unix socket instead of a Ray actor call (~3 ms less a step)")
     step_timeout_s: float = Field(60.0, gt=0, description="a step slower than this means a dead worker")
     cost_model: str | None = Field(None, description="sim backend: calibration/costmodels name or YAML path")
     sim_num_kv_blocks: int | None = Field(None, ge=1, description="sim backend: KV pool (default from the model)")
