@@ -2,15 +2,15 @@
 
 Two offline engines over SmolLM2-135M-Instruct (float32, one torch thread, the `continuous`
 core preset), one with `EngineSpec.cpu_gemm` on and one off, in the same process (`--flag
-cpu_block_gemm`: that switch instead, the GGUF's quantized blocks for linears of up to 8 rows;
-with `cpu_gemm` off neither runs). For each
+cpu_block_gemm`: that switch instead, the GGUF's quantized blocks for linears of up to 12 rows;
+with `cpu_gemm` off neither runs; `--flag cpu_fused_ops`: the fused C norms, SiLU and RoPE). For each
 batch size, both run the same requests (`--prompt` tokens each, greedy, `ignore_eos`) in
 alternating rounds: the prefill step's and the decode steps' CPU time (this thread's, so a
 neighbour's load moves it less than wall time) and the generated tokens, which must be the
 same with both layouts. Prints per batch: ms of CPU per decode step, per prefill token, and
 the ratio on / off (below 1: faster).
 
-    python benchmarks/cpu_gemm.py [--flag cpu_gemm|cpu_block_gemm] [--batches 1,4,8,16] [--prompt 128]
+    python benchmarks/cpu_gemm.py [--flag cpu_gemm|cpu_block_gemm|cpu_fused_ops] [--batches 1,4,8,16] [--prompt 128]
                                   [--steps 16] [--rounds 3]
 """
 

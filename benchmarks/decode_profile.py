@@ -57,10 +57,12 @@ def main() -> int:
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     stats = pstats.Stats(prof)
     total = sum(v[2] for v in stats.stats.values())  # type: ignore[attr-defined]
-    # F.linear, or cpu_gemm's layouts: oneDNN's packed product, or `x @ transposed` for one row
+    # F.linear, or cpu_gemm's layouts: oneDNN's packed product, or `x @ transposed` for one row, or the
+    # block kernel's call
     matmuls = ("torch._C._nn.linear>", "mkldnn._linear_pointwise>", "'__matmul__'")
     linear = sum(v[2] for k, v in stats.stats.items()  # type: ignore[attr-defined]
-                 if any(name in k[2] for name in matmuls))
+                 if any(name in k[2] for name in matmuls)
+                 or (k[0].endswith("block_gemm.py") and k[2] == "matmul"))  # the GGUF's blocks (cpu_block_gemm)
     attention = ("scaled_dot_product_attention", "index_select", "paged_decode")
     attn = sum(v[2] for k, v in stats.stats.items()  # type: ignore[attr-defined]
                if any(name in k[2] for name in attention))
