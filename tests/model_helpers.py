@@ -76,3 +76,27 @@ def generate_ids(executor: Any, prompts: list[list[int]], sampling: SamplingPara
 
 def local_executor(model: str | Path, **kw: Any) -> LocalExecutor:
     return LocalExecutor(local_spec(model, **kw))
+
+
+# SmolLM2 prompts for the CPU kernels' same-tokens checks: a 331-token prompt (past 300: several
+# KV blocks, a long decode context), short ones, a chat-like one, and 128 tokens.
+SMOLLM2_PROMPTS = [[1, *range(200, 530)], list(range(1000, 1017)), [1, 504, 3458, 314, 4649, 253],
+                   list(range(3000, 3128))]
+
+
+def smollm2_greedy_with_and_without(switch: str,
+                                    on: LocalExecutor | None = None) -> tuple[list[list[int]], list[list[int]]]:
+    """SmolLM2's greedy tokens (24 each, `ignore_eos`) for `SMOLLM2_PROMPTS` with the EngineSpec
+    switch on (the default engine, or `on`) and off."""
+    sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    path = smollm2_path()
+    with_it = generate_ids(on if on is not None else local_executor(path), SMOLLM2_PROMPTS, sampling)
+    return with_it, generate_ids(local_executor(path, **{switch: False}), SMOLLM2_PROMPTS, sampling)
+
+
+def use_portable_build(kernel: Any, cache_dir: Path, monkeypatch: Any) -> None:
+    """Make `kernel` (an actors.models.ckernel.CKernel) the library a CPU without AVX2 / FMA gets
+    (no -m flags: its plain loops), built into `cache_dir`, for the rest of the test."""
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(cache_dir))
+    monkeypatch.setattr(kernel, "_lib", kernel.bind(kernel.build(flags=())))
+    monkeypatch.setattr(kernel, "_tried", True)

@@ -20,7 +20,14 @@ from safetensors.torch import load_file, save_file
 from actors import model_loader
 from actors.models import block_gemm
 from actors.models.block_gemm import Q4_0, Q4_1, Q8_0, BlockWeights, _split_rows
-from tests.model_helpers import generate_ids, local_executor, save_tiny_checkpoint, smollm2_path
+from tests.model_helpers import (
+    generate_ids,
+    local_executor,
+    save_tiny_checkpoint,
+    smollm2_greedy_with_and_without,
+    smollm2_path,
+    use_portable_build,
+)
 
 pytestmark = pytest.mark.skipif(not block_gemm.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
 
@@ -54,11 +61,8 @@ def test_blocks_widen_to_gguf_py_values(kind: int) -> None:
 
 @pytest.fixture(params=["native", "portable"])
 def build(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "portable":  # the library a CPU without AVX2 / FMA gets: the plain loops
-        monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
-        kernel = block_gemm.KERNEL
-        monkeypatch.setattr(kernel, "_lib", kernel.bind(kernel.build(flags=())))
-        monkeypatch.setattr(kernel, "_tried", True)
+    if request.param == "portable":
+        use_portable_build(block_gemm.KERNEL, tmp_path, monkeypatch)
     return str(request.param)
 
 
@@ -233,12 +237,7 @@ def test_prepare_adds_the_source_to_an_older_conversion_and_serves_without_it(
 def test_smollm2_greedy_tokens_identical_with_and_without_blocks() -> None:
     path = smollm2_path()
     assert model_loader.gguf_source(path) is not None  # prepare() keeps the GGUF beside the conversion
-    from tidal_core import SamplingParams
-
-    prompts = [[1, *range(200, 530)], list(range(1000, 1017)), [1, 504, 3458, 314, 4649, 253],
-               list(range(3000, 3128))]
-    sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     on = local_executor(path)
     assert all(x.blocks is not None for x in _linears(on))  # type: ignore[attr-defined]
-    off = generate_ids(local_executor(path, cpu_block_gemm=False), prompts, sampling)
-    assert generate_ids(on, prompts, sampling) == off
+    with_blocks, without = smollm2_greedy_with_and_without("cpu_block_gemm", on)
+    assert with_blocks == without

@@ -16,7 +16,14 @@ import torch
 
 from actors.models import ckernel, cpu_attention
 from actors.models.attention import AttentionMetadata, PrefillSpan, decode_attention, paged_attention
-from tests.model_helpers import GREEDY, generate_ids, local_executor, save_tiny_checkpoint, smollm2_path
+from tests.model_helpers import (
+    GREEDY,
+    generate_ids,
+    local_executor,
+    save_tiny_checkpoint,
+    smollm2_greedy_with_and_without,
+    use_portable_build,
+)
 from tests.paged_reference import Case, make_case, reference
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler: the kernel cannot be built")
@@ -146,9 +153,7 @@ def test_build_is_cached_and_named_by_source_and_flags(tmp_path: Path, monkeypat
 
 def test_portable_build_matches_the_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The library a CPU without AVX2 / FMA gets (no -m flags: the plain loops) computes the same."""
-    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
-    kernel = cpu_attention.KERNEL
-    monkeypatch.setattr(kernel, "_lib", kernel.bind(kernel.build(flags=())))
+    use_portable_build(cpu_attention.KERNEL, tmp_path, monkeypatch)
     for heads, kv_heads, head_dim, block_size in [(9, 3, 64, 16), (8, 2, 12, 4)]:
         case = make_case(LENS, [1] * len(LENS), heads, kv_heads, head_dim, block_size, seed=head_dim)
         assert (_kernel(case) - reference(case)).abs().max().item() < 2e-6
@@ -181,12 +186,5 @@ def test_tiny_model_generates_the_same_tokens_with_and_without_the_kernel(tmp_pa
 
 
 def test_smollm2_greedy_tokens_identical_with_and_without_the_kernel() -> None:
-    from tidal_core import SamplingParams
-
-    path = smollm2_path()
-    prompts = [[1, *range(200, 530)], list(range(1000, 1017)), [1, 504, 3458, 314, 4649, 253],
-               list(range(3000, 3128))]
-    sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    on = generate_ids(local_executor(path), prompts, sampling)
-    off = generate_ids(local_executor(path, cpu_attention=False), prompts, sampling)
+    on, off = smollm2_greedy_with_and_without("cpu_attention")
     assert on == off

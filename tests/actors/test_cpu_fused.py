@@ -16,18 +16,22 @@ import torch.nn.functional as F
 
 from actors.models import ckernel, cpu_fused
 from actors.models.rope import RotaryEmbedding, apply_rotary
-from tests.model_helpers import GREEDY, generate_ids, local_executor, save_tiny_checkpoint, smollm2_path
+from tests.model_helpers import (
+    GREEDY,
+    generate_ids,
+    local_executor,
+    save_tiny_checkpoint,
+    smollm2_greedy_with_and_without,
+    use_portable_build,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_fused.available(), reason="no C compiler: the kernel cannot be built")
 
 
 @pytest.fixture(params=["native", "portable"])
 def build(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "portable":  # the library a CPU without AVX2 / FMA gets: the plain loops
-        monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
-        kernel = cpu_fused.KERNEL
-        monkeypatch.setattr(kernel, "_lib", kernel.bind(kernel.build(flags=())))
-        monkeypatch.setattr(kernel, "_tried", True)
+    if request.param == "portable":
+        use_portable_build(cpu_fused.KERNEL, tmp_path, monkeypatch)
     return str(request.param)
 
 
@@ -142,12 +146,5 @@ def test_tiny_model_same_tokens_and_close_logits_with_and_without(tmp_path: Path
 
 
 def test_smollm2_greedy_tokens_identical_with_and_without() -> None:
-    from tidal_core import SamplingParams
-
-    path = smollm2_path()
-    prompts = [[1, *range(200, 530)], list(range(1000, 1017)), [1, 504, 3458, 314, 4649, 253],
-               list(range(3000, 3128))]
-    sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    on = generate_ids(local_executor(path), prompts, sampling)
-    off = generate_ids(local_executor(path, cpu_fused_ops=False), prompts, sampling)
+    on, off = smollm2_greedy_with_and_without("cpu_fused_ops")
     assert on == off

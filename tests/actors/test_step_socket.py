@@ -10,6 +10,7 @@ import asyncio
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -71,10 +72,21 @@ def test_every_rank_answers_and_a_failed_step_names_its_error() -> None:
             s.close()
 
 
-def test_a_worker_that_goes_away_fails_the_step_at_once() -> None:
+@pytest.fixture
+def slow_worker() -> Iterator[tuple[threading.Event, StepServer, StepChannel]]:
+    """A worker whose steps wait for `release` (set at the end in any case), and its channel."""
     release = threading.Event()
     server = StepServer(Worker(delay=release).run_step)
     channel = StepChannel([server.address])
+    yield release, server, channel
+    release.set()
+    channel.close()
+    server.close()
+
+
+def test_a_worker_that_goes_away_fails_the_step_at_once(
+        slow_worker: tuple[threading.Event, StepServer, StepChannel]) -> None:
+    _, server, channel = slow_worker
 
     async def step() -> None:
         running = asyncio.ensure_future(channel.execute("plan"))
@@ -83,33 +95,23 @@ def test_a_worker_that_goes_away_fails_the_step_at_once() -> None:
         with pytest.raises(ChannelError, match="socket closed"):
             await running  # at once: the step has not answered and never will
 
-    try:
-        asyncio.run(step())
-        with pytest.raises(ChannelError):
-            asyncio.run(channel.execute("next"))
-    finally:
-        release.set()
-        channel.close()
+    asyncio.run(step())
+    with pytest.raises(ChannelError):
+        asyncio.run(channel.execute("next"))
 
 
-def test_an_abandoned_step_breaks_the_channel() -> None:
-    release = threading.Event()
-    server = StepServer(Worker(delay=release).run_step)
-    channel = StepChannel([server.address])
+def test_an_abandoned_step_breaks_the_channel(slow_worker: tuple[threading.Event, StepServer, StepChannel]) -> None:
+    release, _, channel = slow_worker
 
     async def abandon() -> None:
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.05):
                 await channel.execute("slow")
 
-    try:
-        asyncio.run(abandon())
-        release.set()
-        with pytest.raises(ChannelError, match="out of step"):
-            asyncio.run(channel.execute("next"))  # its answer would be the abandoned step's
-    finally:
-        channel.close()
-        server.close()
+    asyncio.run(abandon())
+    release.set()
+    with pytest.raises(ChannelError, match="out of step"):
+        asyncio.run(channel.execute("next"))  # its answer would be the abandoned step's
 
 
 def test_connecting_to_nothing_raises() -> None:
