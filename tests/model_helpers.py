@@ -100,3 +100,25 @@ def use_portable_build(kernel: Any, cache_dir: Path, monkeypatch: Any) -> None:
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(cache_dir))
     monkeypatch.setattr(kernel, "_lib", kernel.bind(kernel.build(flags=())))
     monkeypatch.setattr(kernel, "_tried", True)
+
+
+TINY_PROMPTS = [[1, 17, 33, 5, 9], list(range(3, 80)), [1, 200, 7], list(range(20, 37))]
+
+
+def tiny_greedy_with_and_without(path: Path, switch: str) -> tuple[LocalExecutor, LocalExecutor, list[list[int]],
+                                                                   list[list[int]]]:
+    """A tiny checkpoint's engines with the EngineSpec switch on and off (block size 4, chunked
+    prefills beside decodes, logits kept), and their greedy tokens for `TINY_PROMPTS`."""
+    on, off = local_executor(path, block_size=4), local_executor(path, block_size=4, **{switch: False})
+    for ex in (on, off):
+        ex.runner.keep_logits = True
+    sched = dict(max_num_batched_tokens=16, max_batch_size=8)
+    return on, off, generate_ids(on, TINY_PROMPTS, **sched), generate_ids(off, TINY_PROMPTS, **sched)
+
+
+def without_compiler(kernel: Any, cache_dir: Path, monkeypatch: Any) -> None:
+    """As on a machine without gcc: `kernel` (a CKernel) has no library yet and none can be built."""
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(cache_dir))
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    monkeypatch.setattr(kernel, "_lib", None)
+    monkeypatch.setattr(kernel, "_tried", False)

@@ -22,7 +22,9 @@ from tests.model_helpers import (
     local_executor,
     save_tiny_checkpoint,
     smollm2_greedy_with_and_without,
+    tiny_greedy_with_and_without,
     use_portable_build,
+    without_compiler,
 )
 from tests.paged_reference import Case, make_case, reference
 
@@ -161,10 +163,7 @@ def test_portable_build_matches_the_reference(tmp_path: Path, monkeypatch: pytes
 
 def test_no_compiler_falls_back_with_one_log_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", "no-such-compiler-here")
-    monkeypatch.setattr(cpu_attention.KERNEL, "_lib", None)
-    monkeypatch.setattr(cpu_attention.KERNEL, "_tried", False)
+    without_compiler(cpu_attention.KERNEL, tmp_path, monkeypatch)
     with caplog.at_level(logging.WARNING, logger=ckernel.__name__):
         assert cpu_attention.load() is None
         assert cpu_attention.load() is None  # tried once per process
@@ -177,12 +176,10 @@ def test_no_compiler_falls_back_with_one_log_line(tmp_path: Path, monkeypatch: p
 
 
 def test_tiny_model_generates_the_same_tokens_with_and_without_the_kernel(tmp_path: Path) -> None:
-    path = save_tiny_checkpoint(tmp_path / "tiny", seed=5)
-    prompts = [[1, 17, 33, 5, 9], list(range(3, 80)), [1, 200, 7], list(range(20, 37))]
-    on, off = local_executor(path, block_size=4), local_executor(path, block_size=4, cpu_attention=False)
+    on, off, with_it, without = tiny_greedy_with_and_without(save_tiny_checkpoint(tmp_path / "tiny", seed=5),
+                                                             "cpu_attention")
     assert on.runner.cpu_decode is True and off.runner.cpu_decode is False
-    sched = dict(max_num_batched_tokens=16, max_batch_size=8)  # chunked prefills beside decodes
-    assert generate_ids(on, prompts, **sched) == generate_ids(off, prompts, **sched)
+    assert with_it == without
 
 
 def test_smollm2_greedy_tokens_identical_with_and_without_the_kernel() -> None:

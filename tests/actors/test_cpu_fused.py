@@ -22,7 +22,9 @@ from tests.model_helpers import (
     local_executor,
     save_tiny_checkpoint,
     smollm2_greedy_with_and_without,
+    tiny_greedy_with_and_without,
     use_portable_build,
+    without_compiler,
 )
 
 pytestmark = pytest.mark.skipif(not cpu_fused.available(), reason="no C compiler: the kernel cannot be built")
@@ -116,10 +118,7 @@ def test_build_has_its_own_flags_and_name(tmp_path: Path, monkeypatch: pytest.Mo
 
 def test_no_compiler_keeps_pytorchs_ops_with_one_log_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", "no-such-compiler-here")
-    monkeypatch.setattr(cpu_fused.KERNEL, "_lib", None)
-    monkeypatch.setattr(cpu_fused.KERNEL, "_tried", False)
+    without_compiler(cpu_fused.KERNEL, tmp_path, monkeypatch)
     with caplog.at_level(logging.WARNING, logger=ckernel.__name__):
         assert cpu_fused.load() is None
     lines = [r.getMessage() for r in caplog.records if r.name == ckernel.__name__ and "fused_cpu" in r.getMessage()]
@@ -130,14 +129,10 @@ def test_no_compiler_keeps_pytorchs_ops_with_one_log_line(tmp_path: Path, monkey
 
 
 def test_tiny_model_same_tokens_and_close_logits_with_and_without(tmp_path: Path) -> None:
-    path = save_tiny_checkpoint(tmp_path / "tiny", seed=7)
-    prompts = [[1, 17, 33, 5, 9], list(range(3, 80)), [1, 200, 7], list(range(20, 37))]
-    on, off = local_executor(path, block_size=4), local_executor(path, block_size=4, cpu_fused_ops=False)
+    on, off, with_it, without = tiny_greedy_with_and_without(save_tiny_checkpoint(tmp_path / "tiny", seed=7),
+                                                             "cpu_fused_ops")
     assert on.runner.cpu_fused is True and off.runner.cpu_fused is False
-    sched = dict(max_num_batched_tokens=16, max_batch_size=8)  # chunked prefills beside decodes
-    for ex in (on, off):
-        ex.runner.keep_logits = True
-    assert generate_ids(on, prompts, **sched) == generate_ids(off, prompts, **sched)
+    assert with_it == without
     # the last step's logits, request by request (each engine names its requests its own way)
     last_on, last_off = list(on.runner.last_logits.values()), list(off.runner.last_logits.values())
     assert last_on and len(last_on) == len(last_off)
