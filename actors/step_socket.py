@@ -18,6 +18,10 @@ health checks and shutdown stay Ray calls. A worker that dies closes its socket:
 read ends at once and the step fails with `WorkerFailure` instead of waiting out the step
 timeout.
 
+Access: the socket file lives in a fresh temporary directory only its user may enter (mode 0700,
+as `tempfile.mkdtemp` makes it), and goes as soon as the unit has connected; the messages are
+pickles, so only that user's processes (the unit) must reach it, as with Ray's own sockets.
+
 Protocol: the unit sends `pickle(plan)`; the worker answers `pickle((True, result))` or, when
 its step raised, `pickle((False, "ExcType: message"))`. One connection at a time per worker, one
 plan in flight: exactly the Ray path's contract. A step abandoned half-way (the unit's timeout,
