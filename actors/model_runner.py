@@ -66,13 +66,14 @@ class ModelRunner:
         if attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend={attention_backend!r}: use one of {BACKENDS}")
         self.attention_backend = attention_backend
-        # Portable decodes on CPU in float32 read the blocks in place (models/cpu_attention.py), unless
-        # asked not to or the kernel cannot be built (then gather + SDPA, after one log line).
-        self.cpu_decode = (cpu_attention_kernel and attention_backend == "portable" and self.device.type == "cpu"
-                           and kv_caches[0][0].dtype == torch.float32 and cpu_attention.available())
-        # Likewise the ops between the matmuls (norms, SiLU, RoPE: models/cpu_fused.py) in one C call each.
-        self.cpu_fused = (cpu_fused_ops and attention_backend == "portable" and self.device.type == "cpu"
-                          and kv_caches[0][0].dtype == torch.float32 and cpu_fused.available())
+        # The portable backend on CPU in float32 has C kernels, each used unless asked not to or it
+        # cannot be built (then PyTorch's path, after one log line): decodes read the KV blocks in
+        # place (models/cpu_attention.py); the ops between the matmuls (norms, SiLU, RoPE) are one
+        # C call each (models/cpu_fused.py).
+        cpu_float32 = (attention_backend == "portable" and self.device.type == "cpu"
+                       and kv_caches[0][0].dtype == torch.float32)
+        self.cpu_decode = cpu_float32 and cpu_attention_kernel and cpu_attention.available()
+        self.cpu_fused = cpu_float32 and cpu_fused_ops and cpu_fused.available()
         # One gathered tensor of block tables (default on GPU; CPU keeps the per-request lists).
         if vectorized_tables is None:
             vectorized_tables = self.device.type == "cuda"
