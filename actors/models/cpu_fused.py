@@ -8,8 +8,9 @@ the fused QKV projection's rows). The same calls as actors/models/fused_ops.py's
 one set or the other (actors/models/llama.py).
 
 Why: in eager PyTorch these are about 25 ops a layer, each a dispatch from Python and, at
-prefill sizes, a pass over a tensor in memory; a SmolLM2 prefill spent ~11% of its CPU in them
-and a decode step of eight ~10% (benchmarks/cpu_gemm.py --flag cpu_fused_ops measures the gain).
+prefill sizes, a pass over a tensor in memory: about 6% of a SmolLM2 prefill step's CPU
+(benchmarks/decode_profile.py --prefill --no-fused) and 2-3 ms of dispatch in every decode step
+(benchmarks/cpu_gemm.py --flag cpu_fused_ops measures the gain).
 
 Rounding (tests/actors/test_cpu_fused.py): rotary gives PyTorch's bits; RMSNorm's residual add and
 scalings too, its mean of squares may differ by a rounding (another summation order); SiLU's
