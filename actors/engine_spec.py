@@ -41,7 +41,7 @@ class EngineSpec:
     enforce_eager: bool = False
     random_config: dict[str, Any] | None = None  # build this HF config with random weights
     seed: int | None = None
-    torch_threads: int | None = None  # default: (cores - 1) split over the TP ranks, at least 1
+    torch_threads: int | None = None  # default: worker_setup.default_torch_threads (all cores of a 2-core box)
     cpu_gemm: bool = True  # CPU float32: linears through pre-arranged weight layouts (models/cpu_gemm.py)
     cpu_attention: bool = True  # CPU float32: decodes read the KV blocks in place (models/cpu_attention.py)
     cpu_block_gemm: bool = True  # CPU float32 from a GGUF: small linears read its blocks (models/block_gemm.py)

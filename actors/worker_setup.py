@@ -40,6 +40,18 @@ def _random_hf_config(values: dict[str, Any]) -> Any:
     return cls(**{k: v for k, v in values.items() if k != "model_type"})
 
 
+def default_torch_threads(cores: int, tp: int) -> int:
+    """PyTorch threads per TP worker when `EngineSpec.torch_threads` is not set.
+
+    A box of more than two cores leaves one to the router, Ray and the ingress. A 2-core box gives
+    the model both: the Serve processes need about a third of a core at the dev server's loads, and
+    a second thread makes prefill 1.8x faster (decode steps of up to 12 rows run single-threaded C
+    kernels either way), so `make serve` serves 12-23% more tokens/s; with a busy neighbour on one
+    core it is within 4% of one thread (benchmarks/RESULTS.md, "Both cores of a 2-core box")."""
+    spare = 1 if cores > 2 else 0
+    return max(1, (cores - spare) // tp)
+
+
 class WorkerBuilder:
     def __init__(self, spec: EngineSpec, tp: TPContext | None = None) -> None:
         self.spec = spec
@@ -47,9 +59,7 @@ class WorkerBuilder:
         self.device = torch.device(spec.resolved_device())
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
-        # One core is left to the router, Ray and the ingress beside the workers: on a 2-core box
-        # a second OpenMP thread spin-waits on a descheduled sibling (decode ~3x slower, measured).
-        threads = spec.torch_threads or max(1, ((os.cpu_count() or 1) - 1) // spec.tp)
+        threads = spec.torch_threads or default_torch_threads(os.cpu_count() or 1, spec.tp)
         torch.set_num_threads(threads)
         self.path: Path | None = None
         self.model: LlamaForCausalLM | None = None

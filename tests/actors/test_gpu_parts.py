@@ -319,3 +319,22 @@ def test_attention_backend_choice() -> None:
     if not HAVE_TRITON:
         with pytest.raises(ValueError, match="needs Triton"):
             EngineSpec(device="cpu", attention="triton").resolved_attention()
+
+
+def test_default_torch_threads_give_a_two_core_box_both_cores_and_leave_one_on_bigger_boxes() -> None:
+    from actors.worker_setup import default_torch_threads
+
+    assert [default_torch_threads(cores, 1) for cores in (1, 2, 3, 4, 8)] == [1, 2, 2, 3, 7]
+    assert [default_torch_threads(cores, 2) for cores in (1, 2, 4, 8)] == [1, 1, 1, 3]
+    assert default_torch_threads(16, 8) == 1
+
+
+def test_worker_builder_sets_the_configured_torch_threads() -> None:
+    from actors.worker_setup import EngineSpec, WorkerBuilder
+
+    before = torch.get_num_threads()
+    try:
+        WorkerBuilder(EngineSpec(device="cpu", torch_threads=3))
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
