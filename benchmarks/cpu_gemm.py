@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,8 +41,10 @@ def offline_engine(kv_cache_gb: float = 1.0, **spec: Any) -> Any:
     return ex, cfg
 
 
-def run_steps(ex: Any, cfg: Any, batch: int, prompt: int, steps: int, seed: int) -> dict[str, Any]:
-    """`batch` greedy requests of `prompt` tokens: this thread's CPU per prefill token and per decode step."""
+def run_steps(ex: Any, cfg: Any, batch: int, prompt: int, steps: int, seed: int,
+              clock: Callable[[], float] = time.thread_time) -> dict[str, Any]:
+    """`batch` greedy requests of `prompt` tokens: ms of `clock` (this thread's CPU time unless told)
+    per prefill token and per decode step."""
     from actors.llm_engine import LLMEngine
     from tidal_core import SamplingParams
 
@@ -49,15 +52,15 @@ def run_steps(ex: Any, cfg: Any, batch: int, prompt: int, steps: int, seed: int)
     ids = [engine.add_request([100 + (seed * 31 + i * 7 + j) % 4000 for j in range(prompt)],
                               SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
            for i in range(batch)]
-    c0 = time.thread_time()
+    c0 = clock()
     while engine.scheduler.num_waiting or engine.scheduler.prefilling:
         engine.step()
-    c1 = time.thread_time()
+    c1 = clock()
     n = 0
     while engine.has_unfinished:
         engine.step()
         n += 1
-    c2 = time.thread_time()
+    c2 = clock()
     return {"prefill_ms_per_token": (c1 - c0) * 1e3 / (batch * prompt),
             "decode_ms_per_step": (c2 - c1) * 1e3 / max(1, n),
             "outputs": [engine.completions.pop(i).token_ids for i in ids]}

@@ -24,30 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cpu_gemm import offline_engine  # the same offline harness
-
-
-def run(ex: Any, cfg: Any, batch: int, prompt: int, steps: int) -> dict[str, Any]:
-    """`batch` greedy requests of `prompt` tokens: wall ms per prefill token and per decode step."""
-    from actors.llm_engine import LLMEngine
-    from tidal_core import SamplingParams
-
-    engine = LLMEngine(ex, ex.info, None, cfg)
-    ids = [engine.add_request([100 + (i * 7 + j) % 4000 for j in range(prompt)],
-                              SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
-           for i in range(batch)]
-    t0 = time.perf_counter()
-    while engine.scheduler.num_waiting or engine.scheduler.prefilling:
-        engine.step()
-    t1 = time.perf_counter()
-    n = 0
-    while engine.has_unfinished:
-        engine.step()
-        n += 1
-    t2 = time.perf_counter()
-    return {"prefill_ms_per_token": (t1 - t0) * 1e3 / (batch * prompt),
-            "decode_ms_per_step": (t2 - t1) * 1e3 / max(1, n),
-            "outputs": [engine.completions.pop(i).token_ids for i in ids]}
+from benchmarks.cpu_gemm import offline_engine, run_steps  # the same offline harness
 
 
 def main() -> int:
@@ -67,7 +44,7 @@ def main() -> int:
         for _ in range(args.rounds):
             for c in counts:
                 torch.set_num_threads(c)
-                runs[c].append(run(ex, cfg, batch, prompt, args.steps))
+                runs[c].append(run_steps(ex, cfg, batch, prompt, args.steps, seed=0, clock=time.perf_counter))
         first = runs[counts[0]][0]["outputs"]
         for c in counts:
             med = {k: statistics.median(r[k] for r in runs[c]) for k in ("prefill_ms_per_token", "decode_ms_per_step")}
