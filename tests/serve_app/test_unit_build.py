@@ -35,3 +35,32 @@ def test_sim_num_kv_blocks_overrides_the_sized_pool() -> None:
     engine = EngineArgs(backend="sim", cost_model=NAME, sim_num_kv_blocks=300)
     group, _ = build_replica_group(engine, 2048, ())
     assert isinstance(group, SimulatedReplica) and group.num_kv_blocks == 300
+
+
+def test_hf_backend_passes_every_engine_field_the_workers_know(monkeypatch) -> None:
+    # The serve config's engine section reaches the workers' EngineSpec field by field: a knob added to
+    # EngineArgs and EngineSpec but not wired through build_replica_group fails here. (The group itself,
+    # Ray workers loading a model, is the integration tests'; a recorder stands in for it.)
+    import dataclasses
+
+    import actors.replica
+    from actors.engine_spec import EngineSpec
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, spec: EngineSpec, **kwargs: object) -> None:
+            seen["spec"], seen["kwargs"] = spec, kwargs
+
+    monkeypatch.setattr(actors.replica, "ReplicaGroup", Recorder)
+    engine = EngineArgs(device="cpu", torch_threads=3, cpu_fused_ops=False, cpu_attention=False, kv_cache_gb=0.5,
+                        max_model_len=1024, block_size=8, step_socket=False, step_timeout_s=77.0)
+    group, prior = build_replica_group(engine, 384, (1, 2), "p", max_batch_size=12)
+    assert isinstance(group, Recorder) and prior is None
+    spec = seen["spec"]
+    shared = {f.name for f in dataclasses.fields(EngineSpec)} & set(EngineArgs.model_fields)
+    assert {"torch_threads", "cpu_fused_ops", "kv_cache_gb", "tp", "dtype"} <= shared
+    for name in sorted(shared):
+        assert getattr(spec, name) == getattr(engine, name), name
+    assert (spec.max_num_batched_tokens, spec.max_batch_size, tuple(spec.cuda_graph_buckets)) == (384, 12, (1, 2))
+    assert seen["kwargs"] == {"step_timeout_s": 77.0, "compiled_graph": False, "name_prefix": "p", "step_socket": False}
