@@ -13,7 +13,6 @@ Must not import: ray, serve_app (except the plan dataclasses through model_runne
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from actors import kv_budget, kv_cache, model_loader
+from actors.cpus import available_cpus
 from actors.cuda_graphs import CudaGraphRunner
 from actors.engine_spec import EngineInfo, EngineSpec
 from actors.model_runner import ModelRunner
@@ -41,7 +41,8 @@ def _random_hf_config(values: dict[str, Any]) -> Any:
 
 
 def default_torch_threads(cores: int, tp: int) -> int:
-    """PyTorch threads per TP worker when `EngineSpec.torch_threads` is not set.
+    """PyTorch threads per TP worker when `EngineSpec.torch_threads` is not set; `cores` is what the
+    process may use (actors/cpus.py: its affinity, capped by a container's CPU quota).
 
     A box of more than two cores leaves one to the router, Ray and the ingress. A 2-core box gives
     the model both: the Serve processes need about a third of a core at the dev server's loads, and
@@ -59,7 +60,7 @@ class WorkerBuilder:
         self.device = torch.device(spec.resolved_device())
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
-        threads = spec.torch_threads or default_torch_threads(os.cpu_count() or 1, spec.tp)
+        threads = spec.torch_threads or default_torch_threads(available_cpus(), spec.tp)
         torch.set_num_threads(threads)
         self.path: Path | None = None
         self.model: LlamaForCausalLM | None = None
