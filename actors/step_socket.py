@@ -168,8 +168,12 @@ class StepChannel:
         message = frame(plan)
         done = False
         try:
-            for sock in self.socks:
-                await loop.sock_sendall(sock, message)
+            for rank, sock in enumerate(self.socks):
+                try:
+                    await loop.sock_sendall(sock, message)
+                except (BrokenPipeError, ConnectionResetError) as exc:  # it closed before this step
+                    self.broken = f"rank {rank}'s step socket closed (the worker died): {exc}"
+                    raise ChannelError(self.broken) from exc
             results = await self._read_all(loop)
             done = True
         except OSError as exc:
@@ -192,9 +196,12 @@ class StepChannel:
             for task in reads:
                 if not task.done():
                     task.cancel()
-        for task in reads:
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+        # Every finished rank's outcome is read (a second failure is not left "never retrieved");
+        # the first rank's failure is the step's.
+        errors = [task.exception() for task in reads if task.done() and not task.cancelled()]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
         return [task.result() for task in reads]
 
     async def _read(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, rank: int) -> Any:
@@ -212,7 +219,10 @@ class StepChannel:
         buf = bytearray(n)
         view, got = memoryview(buf), 0
         while got < n:
-            k = await loop.sock_recv_into(sock, view[got:])
+            try:
+                k = await loop.sock_recv_into(sock, view[got:])
+            except ConnectionResetError:
+                k = 0
             if k == 0:
                 self.broken = f"rank {rank}'s step socket closed (the worker died)"
                 raise ChannelError(self.broken)

@@ -100,6 +100,22 @@ def test_a_worker_that_goes_away_fails_the_step_at_once(
         asyncio.run(channel.execute("next"))
 
 
+def test_a_worker_gone_before_the_step_fails_it_as_closed_whichever_side_notices(
+        slow_worker: tuple[threading.Event, StepServer, StepChannel]) -> None:
+    # Between steps the dead worker's socket is already closed: the send may fail (a broken pipe)
+    # or, if it lands in the buffer first, the read sees the end. Either way the step says the
+    # worker's socket closed, at once.
+    release, server, channel = slow_worker
+    release.set()
+    assert asyncio.run(channel.execute("first"))[0]["step"] == "first"  # a live worker, then it dies
+    server.close()
+    time.sleep(0.05)
+    with pytest.raises(ChannelError, match="rank 0's step socket closed"):
+        asyncio.run(channel.execute("plan"))
+    with pytest.raises(ChannelError, match="socket closed"):
+        asyncio.run(channel.execute("next"))  # the channel stays broken with the same reason
+
+
 def test_an_abandoned_step_breaks_the_channel(slow_worker: tuple[threading.Event, StepServer, StepChannel]) -> None:
     release, _, channel = slow_worker
 
