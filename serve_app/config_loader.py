@@ -45,8 +45,9 @@ class EngineArgs(_Strict):
                                  "12 rows read the file's quantized blocks (the same weights, a C kernel)")
     cpu_fused_ops: bool = Field(True, description="CPU float32: RMSNorm (with the residual add), SiLU x up and "
                                 "RoPE in one C call each instead of PyTorch's ~25 ops a layer")
-    torch_threads: int | None = Field(None, ge=1, description="CPU: PyTorch threads per TP worker (default: the "
-                                      "cores less one, split over the TP ranks, at least 1)")
+    torch_threads: int | None = Field(None, ge=1, description="CPU: PyTorch threads per TP worker (default: of the "
+                                      "CPUs the worker may use, both of two, else all less one, split over the "
+                                      "TP ranks, at least 1)")
     compiled_graph: bool = Field(False, description="drive TP workers through a Ray Compiled Graph")
     step_socket: bool = Field(True, description="CPU workers without a compiled graph: steps reach TP workers on "
                               "the unit's node through a Unix socket instead of a Ray actor call (~3 ms less a step)")
