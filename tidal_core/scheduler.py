@@ -54,8 +54,7 @@ OBSERVE_PERIOD_S = 0.05
 class Scheduler:
     def __init__(self, config: SchedulerConfig, now: float = 0.0) -> None:
         self.config = config
-        self.q = UnitQueues(config)
-        q = self.q
+        self.q = q = UnitQueues(config)
         self.blocks, self.decodes, self.waiting, self.prefilling, self.requests = (q.blocks, q.decodes, q.waiting,
                                                                                    q.prefilling, q.requests)
         self.stats = SchedulerStats()
@@ -208,8 +207,7 @@ class Scheduler:
         allowance = self.limits.prefill_allowance(now, n_dec, wanted) if interactive_work or batch_work else wanted
         if allowance < wanted:
             budget.tokens_left = int(max(0, allowance))
-        self._had_backlog = interactive_work
-        self._scheduled_at = now
+        self._had_backlog, self._scheduled_at = interactive_work, now
         new_reqs: list[NewRequestData] = []
         prefill_ctx: dict[str, int] = {}
         prefill_tokens = self.builder.continue_prefills(budget, sched, prefill_ctx, new_reqs)
@@ -227,10 +225,7 @@ class Scheduler:
         if not sched:
             raise AssertionError(f"nothing schedulable with {len(waiting)} waiting and {self.num_running} running")
         if budget.tokens_left <= 0 < wanted and allowance < wanted and interactive_work:
-            if self.limits.deferred:
-                self.stats.prefill_deferred_steps += 1
-            else:
-                self.stats.tpot_limited_steps += 1
+            self.stats.record_cut(self.limits.deferred)
         if lane is not None and q.num_batch_running:
             lane.started_step(now, batch_tokens, prefill_tokens, n_dec, self.load.service)
         preempted = [*yielded, *preempted] if yielded else preempted
@@ -269,9 +264,8 @@ class Scheduler:
             self.load.prefill.on_step(now, now - self._scheduled_at, plan.num_prefill_tokens)
         if self.sizer is not None:
             self.limits.on_step_done(now, plan.num_decode_seqs)
-        sampled = result.sampled_token_ids
-        if self._aborted_inflight:
-            aborted = self._aborted_inflight
+        sampled, aborted = result.sampled_token_ids, self._aborted_inflight
+        if aborted:
             sampled = {rid: tok for rid, tok in sampled.items() if rid not in aborted}
             aborted.clear()
         first, finished = self.completion.apply(plan, sampled, now)

@@ -109,6 +109,14 @@ class SchedulerStats:
         self.waits[reason] += 1
         self.wait_s_total += wait_s
 
+    def record_cut(self, deferred: bool) -> None:
+        """A step whose prompt tokens the step limits held back: deferred to a bigger chunk after a
+        decode-only step, or cut to the running decodes' TPOT banks."""
+        if deferred:
+            self.prefill_deferred_steps += 1
+        else:
+            self.tpot_limited_steps += 1
+
     def record_step(self, plan: StepPlan, now: float, regime: str, load: float, wait_s: float, reason: str,
                     num_preempted: int, num_waiting: int, num_running: int, kv_usage: float) -> None:
         """Count a step; `regime` may be a `Regime` (a str enum: its value is recorded)."""
