@@ -12,6 +12,12 @@ overall breaks that target in many cells. Windows are the first `--hours` of eac
 
     python benchmarks/sweet_spot.py --hours 0.25 --out runs/sweet_spot.json
     python benchmarks/sweet_spot.py --hours 0.25 --offset-min 15 --no-eager
+    python benchmarks/sweet_spot.py --against runs/matrix_a100_0.json --set step_sizing.defer=false
+
+`--against FILE` (repeatable; files this script wrote with `--out`, each remembering its window)
+runs only the policy, on every cell of those files, and compares it with the best budget stored
+there: the fixed budgets do not depend on the policy's knobs, so a change to adaptive is checked
+on the whole matrix (54 cells) in seconds instead of minutes.
 """
 
 from __future__ import annotations
@@ -48,14 +54,20 @@ def _row(run: PolicyRun, slo: Slo) -> dict[str, Any]:
     return row
 
 
-def cell(cost_name: str, trace_name: str, rate: float, hours: float, budgets: tuple[int, ...], slo: Slo,
-         policy: str = "adaptive", overrides: dict[str, str] | None = None, offset_min: float = 0.0,
-         eager: bool = True) -> dict[str, Any]:
+def _window(cost_name: str, trace_name: str, rate: float, hours: float, offset_min: float) -> tuple[Any, Any, Any]:
+    """The cost model, the unit every run of a cell shares, and the trace window."""
     cost = CostModel.load(cost_name)
     base = unit_config(cost, max_batch_size=128, max_num_batched_tokens=2048, max_model_len=8192)
     trace = load_trace(trace_name, hours=hours + offset_min / 60.0, seed=0, rate_scale=rate).clipped(8191, 8191)
     if offset_min:
         trace = trace.window(offset_min * 60.0, offset_min * 60.0 + hours * 3600.0)
+    return cost, base, trace
+
+
+def cell(cost_name: str, trace_name: str, rate: float, hours: float, budgets: tuple[int, ...], slo: Slo,
+         policy: str = "adaptive", overrides: dict[str, str] | None = None, offset_min: float = 0.0,
+         eager: bool = True) -> dict[str, Any]:
+    cost, base, trace = _window(cost_name, trace_name, rate, hours, offset_min)
     runs: dict[str, Any] = {}
     runs[policy] = _row(run_policy(RunSpec(trace, base, cost, slo, overrides=overrides or {}), policy,
                                    progress=False), slo)
@@ -70,9 +82,50 @@ def cell(cost_name: str, trace_name: str, rate: float, hours: float, budgets: tu
     best = max(fixed, key=lambda k: runs[k]["goodput_rps"] or 0.0)
     within = [k for k in fixed if (runs[k]["tpot_p99_ms"] or 0.0) <= slo.tpot_s * 1e3]
     best_within = max(within, key=lambda k: runs[k]["goodput_rps"] or 0.0) if within else None
-    return {"cost_model": cost_name, "trace": trace_name, "rate": rate, "best": best,
+    return {"cost_model": cost_name, "trace": trace_name, "rate": rate, "hours": hours, "offset_min": offset_min,
+            "best": best,
             "ratio": _ratio(runs[policy], runs[best]), "best_within_tpot": best_within,
             "ratio_within_tpot": _ratio(runs[policy], runs[best_within]) if best_within else None, "runs": runs}
+
+
+def _policy_run(cost_name: str, trace_name: str, rate: float, hours: float, slo: Slo, policy: str,
+                overrides: dict[str, str], offset_min: float) -> dict[str, Any]:
+    cost, base, trace = _window(cost_name, trace_name, rate, hours, offset_min)
+    return _row(run_policy(RunSpec(trace, base, cost, slo, overrides=overrides), policy, progress=False), slo)
+
+
+def _against_one(job: tuple[dict[str, Any], Slo, str, dict[str, str]]) -> dict[str, Any]:
+    stored, slo, policy, overrides = job
+    run = _policy_run(stored["cost_model"], stored["trace"], stored["rate"], stored.get("hours", 0.25), slo, policy,
+                      overrides, stored.get("offset_min", 0.0))
+    return {"cost_model": stored["cost_model"], "trace": stored["trace"], "rate": stored["rate"],
+            "offset_min": stored.get("offset_min", 0.0), "best": stored["best"],
+            "ratio": _ratio(run, stored["runs"][stored["best"]]), "stored_ratio": stored["ratio"], "run": run}
+
+
+def against(files: list[Path], slo: Slo, policy: str, overrides: dict[str, str], jobs: int) -> list[dict[str, Any]]:
+    """The policy on every cell of `files` (this script's `--out`), each against its stored best budget."""
+    cells = [c for f in files for c in json.loads(f.read_text())]
+    work = [(c, slo, policy, overrides) for c in cells]
+    if jobs > 1:
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(jobs) as pool:
+            return list(pool.map(_against_one, work))
+    return [_against_one(w) for w in work]
+
+
+def _print_against(rows: list[dict[str, Any]], slo: Slo) -> None:
+    print("| GPU | trace | rate | offset (min) | best budget | ratio | stored ratio | TPOT p99 | steps held back |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        steps = r["run"]["steps"]
+        print(f"| {r['cost_model'].split('-')[0]} | {r['trace']} | {r['rate']}x | {r['offset_min']:g} | "
+              f"{r['best'].split('-')[1]} | {r['ratio']} | {r['stored_ratio']} | {r['run']['tpot_p99_ms']} | "
+              f"{steps.get('tpot_limited', 0)} |")
+    met = sum(r["ratio"] >= 0.98 for r in rows)
+    over = sum((r["run"]["tpot_p99_ms"] or 0.0) > slo.tpot_s * 1e3 for r in rows)
+    print(f"{met} of {len(rows)} cells >= 0.98 (stored: {sum(r['stored_ratio'] >= 0.98 for r in rows)}); worst "
+          f"{min(r['ratio'] for r in rows)}; TPOT p99 over the target in {over}", file=sys.stderr)
 
 
 def _ratio(run: dict[str, Any], best: dict[str, Any]) -> float:
@@ -94,10 +147,20 @@ def main() -> int:
     ap.add_argument("--offset-min", type=float, default=0.0, help="start the windows this many minutes in")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager reference run")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--against", action="append", type=Path, default=[],
+                    help="run only the policy on the cells of this --out file, against its stored best budgets")
+    ap.add_argument("--jobs", type=int, default=2, help="processes for --against")
     args = ap.parse_args()
     budgets = tuple(int(b) for b in args.budgets.split(",") if b)
     overrides = dict(p.split("=", 1) for p in args.set)
     slo = Slo(args.slo_ttft, args.slo_tpot)
+    if args.against:
+        rows = against(args.against, slo, args.policy, overrides, args.jobs)
+        _print_against(rows, slo)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(rows, indent=1))
+        return 0
     cells = []
     print("| GPU | trace | rate | best budget | its goodput | its TPOT p99 | adaptive goodput | TPOT p99 | "
           "TTFT p50 (best / adaptive / eager) | adaptive / best | best within the TPOT target | adaptive / it |\n"
