@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.sweet_spot import COST_MODELS, TRACES, _policy_run
+from benchmarks.sweet_spot import COST_MODELS, TRACES, policy_run
 from loadgen.report import Slo
 from tidal_core.step_limits import StepLimits
 
@@ -53,8 +53,8 @@ def main() -> int:
 
     StepLimits.prefill_allowance = watched  # type: ignore[method-assign]
     try:
-        run = _policy_run(args.cost_model, args.trace, args.rate, args.hours, Slo(1.0, 0.1), "adaptive",
-                          dict(p.split("=", 1) for p in args.set), args.offset_min)
+        run = policy_run(args.cost_model, args.trace, args.rate, args.hours, Slo(1.0, 0.1), "adaptive",
+                         dict(p.split("=", 1) for p in args.set), args.offset_min)
     finally:
         StepLimits.prefill_allowance = inner  # type: ignore[method-assign]
     print(f"goodput {run['goodput_rps']} req/s, completed {run['completed']}, refused {run['rejected']}, "

@@ -88,24 +88,30 @@ def cell(cost_name: str, trace_name: str, rate: float, hours: float, budgets: tu
             "ratio_within_tpot": _ratio(runs[policy], runs[best_within]) if best_within else None, "runs": runs}
 
 
-def _policy_run(cost_name: str, trace_name: str, rate: float, hours: float, slo: Slo, policy: str,
-                overrides: dict[str, str], offset_min: float) -> dict[str, Any]:
+def policy_run(cost_name: str, trace_name: str, rate: float, hours: float, slo: Slo, policy: str,
+               overrides: dict[str, str], offset_min: float) -> dict[str, Any]:
+    """One policy's figures on one cell's window (`cell`'s unit and trace), with `overrides`."""
     cost, base, trace = _window(cost_name, trace_name, rate, hours, offset_min)
     return _row(run_policy(RunSpec(trace, base, cost, slo, overrides=overrides), policy, progress=False), slo)
 
 
 def _against_one(job: tuple[dict[str, Any], Slo, str, dict[str, str]]) -> dict[str, Any]:
     stored, slo, policy, overrides = job
-    run = _policy_run(stored["cost_model"], stored["trace"], stored["rate"], stored.get("hours", 0.25), slo, policy,
-                      overrides, stored.get("offset_min", 0.0))
+    run = policy_run(stored["cost_model"], stored["trace"], stored["rate"], stored["hours"], slo, policy, overrides,
+                     stored["offset_min"])
     return {"cost_model": stored["cost_model"], "trace": stored["trace"], "rate": stored["rate"],
-            "offset_min": stored.get("offset_min", 0.0), "best": stored["best"],
+            "offset_min": stored["offset_min"], "best": stored["best"],
             "ratio": _ratio(run, stored["runs"][stored["best"]]), "stored_ratio": stored["ratio"], "run": run}
 
 
 def against(files: list[Path], slo: Slo, policy: str, overrides: dict[str, str], jobs: int) -> list[dict[str, Any]]:
     """The policy on every cell of `files` (this script's `--out`), each against its stored best budget."""
-    cells = [c for f in files for c in json.loads(f.read_text())]
+    stored = {f: json.loads(f.read_text()) for f in files}
+    cells = [c for f in files for c in stored[f]]
+    undated = [str(f) for f in files if any(not {"hours", "offset_min"} <= set(c) for c in stored[f])]
+    if undated:  # a file from before cells recorded their window: its offset would be guessed, and wrong
+        raise SystemExit(f"{', '.join(undated)}: cells without their window (hours, offset_min); write them again "
+                         "with this script's --out")
     work = [(c, slo, policy, overrides) for c in cells]
     if jobs > 1:
         from concurrent.futures import ProcessPoolExecutor

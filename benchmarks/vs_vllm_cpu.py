@@ -10,7 +10,7 @@ opposite orders (the box may be shared: report both).
 
 vLLM's CPU build has one knob for the cores: by default (`VLLM_CPU_OMP_THREADS_BIND=auto`) it binds
 its model to one core and reserves the other for its scheduler process. `--vllm-cores both` (the
-default) runs it that way and again bound to every core (`VLLM_CPU_OMP_THREADS_BIND=0-N`, no core
+default) runs it that way and again bound to every core (`VLLM_CPU_OMP_THREADS_BIND=0,1,...`, no core
 reserved), and each row's ratio is against the faster of the two: the peer tuned with hindsight,
 since tidalserve's model worker uses every core of a 2-core box (docs/configuration.md,
 `torch_threads`).

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks.sweet_spot import against, cell
 from loadgen.report import Slo
 
@@ -36,3 +38,12 @@ def test_against_reproduces_the_stored_run_and_sees_an_override(tmp_path: Path) 
     off = against([path], SLO, "adaptive", {"step_sizing.enabled": "false"}, jobs=1)
     assert off[0]["run"]["steps"]["tpot_limited"] == 0 and off[0]["run"] != same[0]["run"]
     assert off[0]["stored_ratio"] == stored["ratio"]
+
+
+def test_against_refuses_cells_that_do_not_say_their_window(tmp_path: Path) -> None:
+    stored = json.loads(_stored(tmp_path).read_text())[0]
+    del stored["offset_min"]  # as files written before cells recorded their window
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps([stored]))
+    with pytest.raises(SystemExit, match="without their window"):
+        against([old], SLO, "adaptive", {}, jobs=1)
