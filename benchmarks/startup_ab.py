@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.chat_load import Workload, fixed_length_prompts, run_load  # noqa: E402
 from benchmarks.cpu_split import CpuSplit  # noqa: E402
-from benchmarks.vs_vllm_cpu import MODEL, first_answer, free_port, parse_shapes, stop_server  # noqa: E402
+from benchmarks.vs_vllm_cpu import MAKE_SERVE_ENV, MODEL, first_answer, free_port, parse_shapes, stop_server  # noqa: E402
 
 SETTLE_S = 10.0  # after the first answer: the warm-up's metrics pushes and the replicas' start-up work end
 
@@ -53,7 +53,7 @@ def run_server(tree: Path, config: Path, rest_s: float = 0.0, load: Workload | N
         path = Path(work) / "config.yaml"
         path.write_text(yaml.safe_dump(cfg))
         env = {**os.environ, "PYTHONPATH": str(tree), "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
-               "HF_HUB_OFFLINE": "1", "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy_gate:middlewares"}
+               "HF_HUB_OFFLINE": "1", **MAKE_SERVE_ENV}
         serve = Path(sys.executable).parent / "serve"
         start = time.monotonic()
         proc = subprocess.Popen([str(serve), "run", str(path)], cwd=tree, env=env, stdout=subprocess.DEVNULL,

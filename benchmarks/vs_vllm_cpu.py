@@ -68,6 +68,12 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
 
+MAKE_SERVE_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy_gate:middlewares"}
+"""What `make serve` sets beside `serve run configs/local.yaml` (the Makefile's serve target; a test
+holds the two together): the front gate in Serve's proxy, so a benchmark measures the server a
+user starts, the gate's polling and per-request check included."""
+
+
 def tidal_server(work: Path, config_path: Path) -> Server:
     config = yaml.safe_load(config_path.read_text())
     port = free_port()
@@ -75,7 +81,7 @@ def tidal_server(work: Path, config_path: Path) -> Server:
     path = work / "tidal-local.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
-           "HF_HUB_OFFLINE": "1"}
+           "HF_HUB_OFFLINE": "1", **MAKE_SERVE_ENV}
     return Server("tidalserve", [str(Path(sys.executable).parent / "serve"), "run", str(path)], env, port,
                   work / "tidal.log")
 
