@@ -26,7 +26,11 @@ through this gate (or wait for their verdicts) it polls every `period_s`; when n
 last poll it dozes for `idle_period_s` (1 s, well inside `max_age_s`), and the next request wakes
 it at once: that request is judged on a snapshot at most a doze old, aged by the drain as any
 snapshot is, and the ones after it on a fresh one. It also skips a poll while verdicts keep every
-snapshot younger than `period_s`.
+snapshot younger than `period_s`. A gate whose verdicts could not refuse soon keeps the idle pace
+under traffic too, and requests do not wake it (`FrontAdmission.watch_closely`: `make serve`'s
+protect mode refuses only a full queue, so while every queue is under half its limit a snapshot a
+second old decides as a fresh one would; measured on the dev server, the fast poll cost 8% of its
+single-stream tokens/s, benchmarks/RESULTS.md).
 
 The way to the unit. A unit's verdict also says how long its request had waited (since the
 proxy's arrival stamp) when the unit received it (`GenerateChunk.waited_s`): this gate learns its
@@ -181,7 +185,7 @@ class FrontGate:
                     raise
                 except Exception:  # no unit yet, a unit being rebuilt, a timeout: keep the last view
                     logger.debug("front gate: polling a unit's load failed", exc_info=True)
-            if not self._quiet():
+            if not self._quiet() and self._watch_closely():
                 await asyncio.sleep(self.period_s)
                 continue
             self._wake.clear()
@@ -197,6 +201,11 @@ class FrontGate:
         """Every unit's snapshot is younger than `period_s` (verdicts keep it so): a poll would add nothing."""
         return bool(self.sightings) and all(now - s.seen_s < self.period_s for s in self.sightings.values())
 
+    def _watch_closely(self) -> bool:
+        """Some unit's verdict could refuse soon, or no unit answered yet (`FrontAdmission.watch_closely`):
+        otherwise the poll keeps its idle pace, busy or not, and requests do not wake it."""
+        return not self.sightings or any(self.admission.watch_closely(s.load) for s in self.sightings.values())
+
     def _quiet(self) -> bool:
         """No request came through since the last poll and none waits for its verdict, and the poll has
         answered at least once (a gate still looking for its unit keeps polling at `period_s`)."""
@@ -211,7 +220,7 @@ class FrontGate:
         A request let through is *pending* (its prefill counted on top of the snapshots) until
         its unit's verdict arrives in its context (`observe`) or the request ends (`release`)."""
         self._requests_since_poll += 1
-        if self._dozing:  # traffic after a quiet spell: fresh snapshots now, not in a second
+        if self._dozing and self._watch_closely():  # traffic after a quiet spell: fresh snapshots now
             self._dozing = False
             assert self._wake is not None and self._loop is not None
             self._loop.call_soon_threadsafe(self._wake.set)

@@ -246,6 +246,13 @@ class FrontAdmission:
         self.config = config
         self.max_age_s = max_age_s
 
+    def watch_closely(self, load: UnitLoad) -> bool:
+        """Whether a verdict on `load` could refuse soon, so the front end should keep it fresh. In
+        "protect" mode only a full queue is refused: while the queue is under half its limit, a
+        snapshot a second old decides as a fresh one would (and admission off never refuses)."""
+        cfg = self.config
+        return cfg.enabled and (cfg.mode != "protect" or 2 * load.num_waiting >= cfg.max_queue_len)
+
     def check(self, sightings: Iterable[Sighting], now: float, prompt_tokens: int = 0,
               waited_s: float = 0.0, on_the_way: OnTheWay = NOTHING_ON_THE_WAY) -> FrontRefusal | None:
         """None (let the request through) unless every fresh snapshot says its unit would refuse

@@ -188,6 +188,17 @@ def test_protect_mode_refuses_only_a_full_queue_as_the_unit_does() -> None:
     assert slo.unit_verdict(backed_up, 0.0, 4000) is not None  # the same snapshot, production rules
 
 
+def test_the_front_end_watches_closely_only_where_a_verdict_could_refuse_soon() -> None:
+    """In protect mode only a full queue is refused: under half the limit a second-old snapshot
+    decides as a fresh one would. SLO admission always watches; admission off never does."""
+    protect = FrontAdmission(AdmissionConfig(max_queue_len=10, mode="protect"))
+    assert not protect.watch_closely(_load(waiting=4))
+    assert protect.watch_closely(_load(waiting=5))
+    assert protect.watch_closely(_load(waiting=12))
+    assert FrontAdmission(CFG).watch_closely(_load(waiting=0))
+    assert not FrontAdmission(AdmissionConfig(enabled=False)).watch_closely(_load(waiting=10_000))
+
+
 def test_the_burst_price_follows_the_units_own_prediction_for_prompts_arriving_together() -> None:
     """Each prompt admitted becomes a decode in the steps that prefill the ones behind it, so the
     unit prices the last of a burst higher per token than one prompt alone. Priced from the

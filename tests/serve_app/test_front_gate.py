@@ -278,6 +278,37 @@ async def test_an_idle_unit_is_polled_once_a_doze_and_a_request_wakes_the_poll()
     await gate.stop()
 
 
+async def test_a_dev_servers_gate_keeps_its_idle_pace_under_traffic_until_the_queue_nears_its_limit() -> None:
+    """Protect mode (make serve) refuses only a full queue: with the queue far from its limit the
+    poll stays at its idle pace however many requests come (each poll costs CPU the model's steps
+    need on a small box); once the queue reaches half the limit, requests keep it fast again."""
+    protect = AdmissionConfig(mode="protect", max_queue_len=64)
+    load = dataclasses.replace(BUSY, num_waiting=10)
+
+    async def poll() -> UnitLoad:
+        return load
+
+    gate = FrontGate(protect, poll, period_s=0.001, idle_period_s=4.0)
+    gate.start()
+    await _until(lambda: gate.num_polls == 1)
+
+    async def traffic() -> None:
+        while True:
+            contextvars.copy_context().run(gate.refusal, 100)
+            await asyncio.sleep(0.001)
+
+    sender = asyncio.get_running_loop().create_task(traffic())
+    await asyncio.sleep(0.3)
+    assert gate.num_polls == 1  # 300 requests, no poll: a 10-deep queue cannot reach 64 unseen
+    load = dataclasses.replace(BUSY, num_waiting=40)
+    gate.observe(load)  # a verdict shows the queue past half its limit
+    await _until(lambda: gate.num_polls >= 6, timeout_s=3.0)  # fast again (a doze each would take 20 s)
+    sender.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await sender
+    await gate.stop()
+
+
 async def test_requests_keep_the_poll_fast_and_a_busy_unit_without_requests_dozes() -> None:
     gate = _gate_answering(BUSY, idle_period_s=4.0)
     gate.start()
