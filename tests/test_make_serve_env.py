@@ -27,4 +27,3 @@ def serve_recipe_env() -> dict[str, str]:
 def test_benchmarks_set_what_the_makefile_sets_for_make_serve() -> None:
     assert serve_recipe_env() == MAKE_SERVE_ENV
     assert MAKE_SERVE_ENV  # the recipe sets the proxy gate; an empty match would prove nothing
-
