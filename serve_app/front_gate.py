@@ -8,29 +8,22 @@ or validates a body: a refused request costs no JSON parsing, no tokenizing and 
 
 Freshness. In a burst, hundreds of requests arrive before the first verdict on any of them comes
 back; so each request let through is *pending* until its unit's verdict (or its end), and the
-estimated prompts of the pending ones are counted on top of the snapshots, priced as the unit
-prices a burst (`FrontAdmission.check`'s `OnTheWay`; a request's ticket is found through a
-context variable: the verdict arrives in the request's own task).
-Two sources feed the snapshots: (1) every request the gate lets through asks its unit
-to attach its `UnitLoad` to the admission verdict (`GenerateRequest.report_load`): a rejection
-carries it, an admission sends it at once in a chunk of its own; so while traffic flows, the gate
-knows each unit's state as of the last verdict, milliseconds old; (2) a background task polls
-`ServingUnit.load_stats` every `period_s` (0.1 s), so a gate that refuses everything still sees the
-unit drain and opens again. A snapshot older than `max_age_s` (5 s) is not believed: with no fresh
-snapshot the request goes to the unit, whose own admission is the final authority.
+pending prompts are counted on top of the snapshots, priced as the unit prices a burst
+(`FrontAdmission.check`'s `OnTheWay`; a request's ticket is found through a context variable).
+Two sources feed the snapshots: (1) each request let through asks its unit to attach its
+`UnitLoad` to the admission verdict (`GenerateRequest.report_load`; an admission sends it at once
+in a chunk of its own), so while traffic flows the gate knows each unit's state as of the last
+verdict; (2) a background task polls `ServingUnit.load_stats` every `period_s` (0.1 s), so a gate
+that refuses everything still sees the unit drain. A snapshot older than `max_age_s` (5 s) is not
+believed: the request then goes to the unit, whose own admission is the final authority.
 
-The poll is paced by the requests it serves, since each one costs CPU in the gate, the unit and
-Ray (on `make serve` at rest the two gates' polls were about half of the 27% of a core the
-server burned, and on a 2-core box that CPU comes out of the model's steps). While requests come
-through this gate (or wait for their verdicts) it polls every `period_s`; when none came since its
-last poll it dozes for `idle_period_s` (1 s, well inside `max_age_s`), and the next request wakes
-it at once: that request is judged on a snapshot at most a doze old, aged by the drain as any
-snapshot is, and the ones after it on a fresh one. It also skips a poll while verdicts keep every
-snapshot younger than `period_s`. A gate whose verdicts could not refuse soon keeps the idle pace
-under traffic too, and requests do not wake it (`FrontAdmission.watch_closely`: `make serve`'s
-protect mode refuses only a full queue, so while every queue is under half its limit a snapshot a
-second old decides as a fresh one would; measured on the dev server, the fast poll cost 8% of its
-single-stream tokens/s, benchmarks/RESULTS.md).
+The poll is paced by what it serves: each poll costs CPU in the gate, the unit and Ray, which a
+2-core box takes from the model's steps. While requests come through (or wait for verdicts) it
+polls every `period_s`; when none came since its last poll it dozes for `idle_period_s` (1 s,
+inside `max_age_s`) and the next request wakes it. It skips a poll while verdicts keep every
+snapshot younger than `period_s`, and keeps the idle pace under traffic where no verdict could
+refuse soon (`FrontAdmission.watch_closely`: `make serve`'s protect mode, every queue under half
+its limit; the fast poll cost the dev server 8% of its single-stream tokens/s, RESULTS.md).
 
 The way to the unit. A unit's verdict also says how long its request had waited (since the
 proxy's arrival stamp) when the unit received it (`GenerateChunk.waited_s`): this gate learns its
@@ -39,9 +32,8 @@ request on the way), and adds it to the response (`UNIT_WAITED`), from which the
 learns the whole way. The work let through cannot start before it arrives, and on a small box in
 a burst the way is what set the slowest 429s (tidal_core/front_admission.py).
 
-The request's prompt is estimated from the body's size (`Content-Length`), at the bytes per token
-the verdicts taught (`PromptSizeModel`; each verdict says its prompt's tokens, and the Ingress's
-gate passes them on to the proxy's as `PROMPT_TOKENS`), not a fixed, deliberately low 6 bytes.
+A prompt is estimated from the body's size (`Content-Length`) at the bytes per token the verdicts
+taught (`PromptSizeModel`; the Ingress's gate passes their token counts on as `PROMPT_TOKENS`).
 
 Must not import: torch, transformers.
 """
@@ -202,8 +194,7 @@ class FrontGate:
         return bool(self.sightings) and all(now - s.seen_s < self.period_s for s in self.sightings.values())
 
     def _watch_closely(self) -> bool:
-        """Some unit's verdict could refuse soon, or no unit answered yet (`FrontAdmission.watch_closely`):
-        otherwise the poll keeps its idle pace, busy or not, and requests do not wake it."""
+        """Some unit's verdict could refuse soon, or no unit answered yet: else the poll keeps its idle pace."""
         return not self.sightings or any(self.admission.watch_closely(s.load) for s in self.sightings.values())
 
     def _quiet(self) -> bool:
