@@ -25,12 +25,14 @@ import httpx
 import pytest
 import yaml
 
+from serve_app.proxy_gate import PROXY_GATE_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Front-end admission in Serve's proxy (serve_app/proxy_gate.py): read by the proxy at its start.
-os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "serve_app.proxy_gate:middlewares")
+for key, value in PROXY_GATE_ENV.items():  # front-end admission in Serve's proxy, read at its start
+    os.environ.setdefault(key, value)
 
 
 def free_port() -> int:

@@ -181,11 +181,13 @@ def serve_cluster(applications: list[dict[str, Any]], *, num_cpus: int = 8,
     does); yields the base URL; shuts everything down on exit."""
     import os
 
+    from serve_app.proxy_gate import PROXY_GATE_ENV
+
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # Front-end admission in Serve's proxy (serve_app/proxy_gate.py): read by the proxy at its start.
-    os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "serve_app.proxy_gate:middlewares")
+    for key, value in PROXY_GATE_ENV.items():  # front-end admission in Serve's proxy, read at its start
+        os.environ.setdefault(key, value)
     import ray
     from ray import serve
     from ray.serve._private.api import serve_start
