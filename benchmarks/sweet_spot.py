@@ -49,7 +49,11 @@ def _row(run: PolicyRun, slo: Slo) -> dict[str, Any]:
     o = run.run.outcomes
     ok = o.status == OK
     row["ttft_missed"] = int((ok & (np.nan_to_num(o.ttft_s, nan=np.inf) > slo.ttft_s)).sum())
-    row["tpot_missed"] = int((ok & (np.nan_to_num(o.tpot_s, nan=0.0) > slo.tpot_s)).sum())
+    tpot_missed = ok & (np.nan_to_num(o.tpot_s, nan=0.0) > slo.tpot_s)
+    row["tpot_missed"] = int(tpot_missed.sum())
+    lengths = o.output_tokens[tpot_missed]  # which answers miss TPOT: short ones, or any
+    row["tpot_missed_output_tokens"] = ([int(lengths.min()), int(np.median(lengths)), int(lengths.max())]
+                                        if lengths.size else None)
     row["steps"] = dict(run.run.counters.get("steps", {}))
     return row
 
@@ -121,13 +125,15 @@ def against(files: list[Path], slo: Slo, policy: str, overrides: dict[str, str],
 
 
 def _print_against(rows: list[dict[str, Any]], slo: Slo) -> None:
-    print("| GPU | trace | rate | offset (min) | best budget | ratio | stored ratio | TPOT p99 | steps held back |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+    print("| GPU | trace | rate | offset (min) | best budget | ratio | stored ratio | TPOT p99 | steps held back | "
+          "TPOT missed / completed | their output tokens min / median / max |\n" + "|---" * 11 + "|")
     for r in rows:
-        steps = r["run"]["steps"]
+        run = r["run"]
+        missed = run.get("tpot_missed_output_tokens")
         print(f"| {r['cost_model'].split('-')[0]} | {r['trace']} | {r['rate']}x | {r['offset_min']:g} | "
-              f"{r['best'].split('-')[1]} | {r['ratio']} | {r['stored_ratio']} | {r['run']['tpot_p99_ms']} | "
-              f"{steps.get('tpot_limited', 0)} |")
+              f"{r['best'].split('-')[1]} | {r['ratio']} | {r['stored_ratio']} | {run['tpot_p99_ms']} | "
+              f"{run['steps'].get('tpot_limited', 0)} | {run['tpot_missed']} / {run['completed']} | "
+              f"{' / '.join(map(str, missed)) if missed else '-'} |")
     met = sum(r["ratio"] >= 0.98 for r in rows)
     over = sum((r["run"]["tpot_p99_ms"] or 0.0) > slo.tpot_s * 1e3 for r in rows)
     print(f"{met} of {len(rows)} cells >= 0.98 (stored: {sum(r['stored_ratio'] >= 0.98 for r in rows)}); worst "

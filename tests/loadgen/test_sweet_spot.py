@@ -38,6 +38,13 @@ def test_against_reproduces_the_stored_run_and_sees_an_override(tmp_path: Path) 
     off = against([path], SLO, "adaptive", {"step_sizing.enabled": "false"}, jobs=1)
     assert off[0]["run"]["steps"]["tpot_limited"] == 0 and off[0]["run"] != same[0]["run"]
     assert off[0]["stored_ratio"] == stored["ratio"]
+    # Which answers missed TPOT: their output lengths, present exactly when some did (the fixed
+    # budgets of this window miss TPOT for some requests, adaptive for none).
+    assert stored["runs"]["sarathi-2048"]["tpot_missed"] > 0 and same[0]["run"]["tpot_missed"] == 0
+    for run in (same[0]["run"], off[0]["run"], *(stored["runs"][k] for k in ("sarathi-256", "sarathi-2048"))):
+        lengths = run["tpot_missed_output_tokens"]
+        assert (lengths is None) == (run["tpot_missed"] == 0)
+        assert lengths is None or 2 <= lengths[0] <= lengths[1] <= lengths[2]
 
 
 def test_against_refuses_cells_that_do_not_say_their_window(tmp_path: Path) -> None:
