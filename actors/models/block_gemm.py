@@ -50,6 +50,9 @@ _LAYOUT = {Q4_0: (18, 16), Q4_1: (20, 16), Q8_0: (34, 32)}  # bytes per block in
 # Rows up to which a linear takes the blocks (the kernel's CPU time against the packed float32 at
 # SmolLM2's shapes: x0.81 at 8 rows, x0.96 at 12, x1.00 at 16; benchmarks/block_gemm.py).
 MAX_ROWS = 12
+# How long a pool helper waits for the next call, yielding its core to whatever else is runnable,
+# before it sleeps: a decode step's linears come tens of microseconds apart.
+POOL_SPIN_NS = 50_000
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -57,12 +60,18 @@ def _declare(lib: ctypes.CDLL) -> None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, i64, ptr]
     fn.restype = ctypes.c_int
+    mt = lib.tidal_block_gemm_mt
+    mt.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
+    mt.restype = ctypes.c_int
+    lib.tidal_block_gemm_spin.argtypes = [ctypes.c_long, ctypes.c_int]
+    lib.tidal_block_gemm_spin.restype = None
+    lib.tidal_block_gemm_spin(POOL_SPIN_NS, 1)
     check = lib.tidal_block_mismatch
     check.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr]
     check.restype = i64
 
 
-KERNEL = CKernel("block_gemm.c", _declare, "linears read the float32 weights")
+KERNEL = CKernel("block_gemm.c", _declare, "linears read the float32 weights", extra_flags=("-pthread",))
 main = KERNEL.main
 
 
@@ -92,8 +101,9 @@ class BlockWeights:
         if not x.is_contiguous():
             x = x.contiguous()
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        rc = lib.tidal_block_gemm(x.data_ptr(), x.shape[0], k, self.kind, self.quants.data_ptr(),
-                                  self.scale.data_ptr(), self.offset.data_ptr(), n, y.data_ptr())
+        rc = lib.tidal_block_gemm_mt(x.data_ptr(), x.shape[0], k, self.kind, self.quants.data_ptr(),
+                                     self.scale.data_ptr(), self.offset.data_ptr(), n, y.data_ptr(),
+                                     torch.get_num_threads())
         if rc:
             raise ValueError(f"block matmul: kernel error {rc}")
         return y

@@ -1,6 +1,7 @@
 """Linears on a GGUF's quantized blocks (actors/models/block_gemm.py, csrc/block_gemm.c): the blocks
 widen to gguf-py's own dequantized values bit for bit; the kernel against a float64 product at
-1-13 rows, odd row counts of W and both builds (AVX2 and portable); the exactness check that
+1-13 rows, odd row counts of W and both builds (AVX2 and portable); the same bits on one thread
+and shared by the pool, its helpers asleep or spinning, with concurrent callers; the exactness check that
 guards attaching; the GGUF reader against gguf-py's; bad inputs refused; and engines that
 generate the same greedy tokens with the blocks and without (a tiny model whose GGUF has its
 rows permuted and its fused projections split, and SmolLM2 itself).
@@ -78,6 +79,60 @@ def test_kernel_matches_a_float64_product(kind: int, build: str) -> None:
             assert got.shape == (rows, n)
             if rows:
                 assert (got.double() - ref).abs().max().item() <= 2e-6 * max(1.0, ref.abs().max().item()), (n, k, rows)
+
+
+def _with_threads(threads: int, blocks: BlockWeights, x: torch.Tensor) -> torch.Tensor:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return blocks.matmul(x)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_pool_gives_one_threads_bits(kind: int, build: str) -> None:
+    """Shared between threads (torch's thread count), every output is the same float32 bits as on one
+    thread: a value's sums do not depend on which chunk of W's rows it fell in. Shapes big enough
+    for the pool (its minimum is 65,536 multiply-adds), N not a multiple of 3, any row count."""
+    for n, k in [(1000, 96), (97, 1152), (6, 12288), (4001, 32)]:
+        raw, _ = _quantized(kind, n, k, seed=n)
+        blocks = _blocks(raw, kind)
+        for rows in [1, 2, 5, 12, 13]:
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            one = _with_threads(1, blocks, x)
+            for threads in (2, 3, 8):
+                assert torch.equal(_with_threads(threads, blocks, x), one), (n, k, rows, threads)
+
+
+def test_the_pool_with_sleeping_helpers_and_concurrent_callers() -> None:
+    """Helpers that sleep at once after each call (the futex path every call), and four Python
+    threads calling at once (one holds the pool, the others compute alone): every result exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    lib = block_gemm.KERNEL.load()
+    assert lib is not None
+    mats = [_blocks(_quantized(Q4_1, n, k, seed=n)[0], Q4_1) for n, k in [(300, 576), (577, 64), (96, 1536)]]
+    xs = [torch.randn(r, m.shape[1], generator=torch.Generator().manual_seed(r)) for m in mats for r in (1, 4, 9)]
+    pairs = [(m, x) for m in mats for x in xs if x.shape[1] == m.shape[1]]
+    want = [_with_threads(1, m, x) for m, x in pairs]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for spin_ns in (0, 50_000):
+            lib.tidal_block_gemm_spin(spin_ns, 1)
+            for _ in range(20):
+                assert all(torch.equal(m.matmul(x), w) for (m, x), w in zip(pairs, want, strict=True))
+
+        def many(seed: int) -> bool:
+            order = np.random.default_rng(seed).permutation(len(pairs))
+            return all(torch.equal(pairs[i][0].matmul(pairs[i][1]), want[i]) for _ in range(15) for i in order)
+
+        with ThreadPoolExecutor(4) as pool:
+            assert all(pool.map(many, range(4)))
+    finally:
+        torch.set_num_threads(before)
+        lib.tidal_block_gemm_spin(block_gemm.POOL_SPIN_NS, 1)
 
 
 def test_mismatch_names_the_first_row_that_differs() -> None:

@@ -1,4 +1,5 @@
-/* y = x W^T with W kept in its quantized blocks (GGUF Q4_0, Q4_1, Q8_0), float32 math, one thread.
+/* y = x W^T with W kept in its quantized blocks (GGUF Q4_0, Q4_1, Q8_0), float32 math, on one thread or
+   shared by a small pool (below).
 
    Built by actors/models/block_gemm.py (gcc -O3 -ffp-contract=fast, plus -mavx2 -mfma where the
    CPU has them) and called through ctypes for the linears of a decode-sized step. Plain C: no
@@ -21,6 +22,7 @@
    or 1.06 (8-bit) bytes each instead of 4: at the few rows of a decode step the float32 product
    is bound by that read. */
 
+#define _GNU_SOURCE /* syscall(), clock_gettime() under -std=c11 */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -116,16 +118,14 @@ static inline float dot1(const float *restrict x, const float *restrict w, int64
 }
 #endif
 
-/* Returns 0, or 1 for a bad shape or kind, 3 when the scratch cannot be allocated. */
-int tidal_block_gemm(const float *x, int64_t M, int64_t K, int kind, const uint8_t *qs, const float *scale,
-                     const float *offset, int64_t N, float *y) {
-    if (M < 0 || N < 0 || K <= 0 || K % QK || (kind != KIND_Q4_0 && kind != KIND_Q4_1 && kind != KIND_Q8_0))
-        return 1;
+/* W rows [n0, n1) of y = x W^T (n0 a multiple of 3); w: scratch of 3 K floats. Each y value is
+   the same sums in the same order whatever range it falls in, so how the rows are split between
+   threads never changes a bit of the result. */
+static void gemm_rows(const float *x, int64_t M, int64_t K, int kind, const uint8_t *qs, const float *scale,
+                      const float *offset, int64_t N, float *y, int64_t n0, int64_t n1, float *w) {
     int64_t nb = K / QK, bytes = kind == KIND_Q8_0 ? 32 : 16;
-    float *w = aligned_alloc(64, (size_t)(3 * K) * sizeof(float));
-    if (w == NULL) return 3;
-    for (int64_t n = 0; n < N; n += 3) {
-        int C = N - n >= 3 ? 3 : (int)(N - n);
+    for (int64_t n = n0; n < n1; n += 3) {
+        int C = n1 - n >= 3 ? 3 : (int)(n1 - n);
         for (int c = 0; c < C; c++)
             dequant_row(kind, qs + (n + c) * nb * bytes, scale + (n + c) * nb, offset + (n + c) * nb, nb, w + c * K);
         int64_t i = 0;
@@ -142,9 +142,211 @@ int tidal_block_gemm(const float *x, int64_t M, int64_t K, int kind, const uint8
         for (; i < M; i++)
             for (int c = 0; c < C; c++) y[i * N + n + c] = dot1(x + i * K, w + c * K, K);
     }
+}
+
+static int bad_args(int64_t M, int64_t K, int kind, int64_t N) {
+    return M < 0 || N < 0 || K <= 0 || K % QK || (kind != KIND_Q4_0 && kind != KIND_Q4_1 && kind != KIND_Q8_0);
+}
+
+/* Returns 0, or 1 for a bad shape or kind, 3 when the scratch cannot be allocated. */
+int tidal_block_gemm(const float *x, int64_t M, int64_t K, int kind, const uint8_t *qs, const float *scale,
+                     const float *offset, int64_t N, float *y) {
+    if (bad_args(M, K, kind, N)) return 1;
+    float *w = aligned_alloc(64, (size_t)(3 * K) * sizeof(float));
+    if (w == NULL) return 3;
+    gemm_rows(x, M, K, kind, qs, scale, offset, N, y, 0, N, w);
     free(w);
     return 0;
 }
+
+/* ---- The pool: one call's W rows shared between the caller and up to POOL_MAX - 1 helper threads.
+
+   Why not OpenMP: a 2-core box serves with the model worker beside the Serve processes, and a
+   team that waits for a preempted member at a barrier stalls the whole step (measured: oneDNN's
+   two threads on 5-12-row steps were faster offline and slower served). Here nothing waits for
+   a helper that has not started: the rows go out in chunks that every thread claims from one
+   counter, the caller claims too, and it waits only for chunks a helper has already begun (each
+   a few microseconds). A helper the OS has not scheduled claims nothing, and the caller does its
+   share. While it waits the caller sleeps on a futex after a short spin, so a preempted helper
+   can take its core. Between calls a helper waits `spin_ns` for the next one, yielding its core
+   to any other runnable thread at every turn (sched_yield: the Serve processes beside it run
+   first), then sleeps on a futex.
+
+   The claim counter holds the call's generation in its high 32 bits, so a helper that wakes late
+   cannot claim a chunk of a later call; the call's arguments are read only after a successful
+   claim, and a call ends only when all its chunks are done. One caller at a time uses the pool
+   (a second, concurrent caller computes alone). */
+
+#if defined(__linux__)
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define POOL_MAX 8
+#define CHUNKS_PER_THREAD 8
+#define POOL_MIN_MACS 65536  /* smaller calls are not worth waking a helper */
+
+typedef struct {
+    const float *x, *scale, *offset;
+    const uint8_t *qs;
+    float *y;
+    int64_t M, K, N, rows;  /* rows: W rows per chunk, a multiple of 3 */
+    int kind;
+    int chunks;
+} pool_job;
+
+static pool_job job;
+static _Atomic uint64_t ticket;             /* generation << 32 | next chunk to claim */
+static atomic_int posted;                   /* the latest generation: the helpers' futex word */
+static atomic_int finished;                 /* chunks done in the current call: the caller's futex word */
+static atomic_int helpers_sleeping, caller_sleeping;
+static atomic_long spin_ns = 50000;
+static atomic_int spin_yield = 1;
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static int helpers;                         /* started so far (under pool_lock) */
+
+static void futex_wait(atomic_int *addr, int value) {
+    syscall(SYS_futex, (int *)addr, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
+}
+
+static void futex_wake(atomic_int *addr, int count) {
+    syscall(SYS_futex, (int *)addr, FUTEX_WAKE_PRIVATE, count, NULL, NULL, 0);
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Claim and compute chunks of generation `gen` until none is left. `*w`, `*cap`: this thread's scratch. */
+static int work(uint32_t gen, float **w, int64_t *cap) {
+    int done = 0;
+    for (;;) {
+        uint64_t t = atomic_load(&ticket);
+        if ((uint32_t)(t >> 32) != gen) return done;
+        int chunks = __atomic_load_n(&job.chunks, __ATOMIC_RELAXED);
+        int64_t K = __atomic_load_n(&job.K, __ATOMIC_RELAXED);
+        if ((int64_t)(uint32_t)t >= chunks) return done;
+        if (*cap < 3 * K) {  /* before claiming: a thread without scratch leaves the chunk to others */
+            free(*w);
+            *w = aligned_alloc(64, (size_t)(3 * K) * sizeof(float));
+            *cap = *w ? 3 * K : 0;
+            if (*w == NULL) return done;
+        }
+        if (!atomic_compare_exchange_weak(&ticket, &t, t + 1)) continue;
+        /* Claimed: the call cannot end before this chunk is done, so its arguments (read above
+           and here, all written before the generation was posted) hold still. */
+        pool_job j = job;
+        int64_t n0 = (int64_t)(uint32_t)t * j.rows, n1 = n0 + j.rows < j.N ? n0 + j.rows : j.N;
+        gemm_rows(j.x, j.M, j.K, j.kind, j.qs, j.scale, j.offset, j.N, j.y, n0, n1, *w);
+        atomic_fetch_add(&finished, 1);
+        if (atomic_load(&caller_sleeping)) futex_wake(&finished, 1);
+        done++;
+    }
+}
+
+static void *helper_main(void *arg) {
+    (void)arg;
+    float *w = NULL;
+    int64_t cap = 0;
+    int seen = atomic_load(&posted);
+    for (;;) {
+        int64_t until = now_ns() + atomic_load(&spin_ns);
+        for (int spins = 0; atomic_load(&posted) == seen; spins++) {
+            int yield = atomic_load(&spin_yield);
+            if ((yield || (spins & 255) == 0) && now_ns() >= until) {
+                atomic_fetch_add(&helpers_sleeping, 1);
+                if (atomic_load(&posted) == seen) futex_wait(&posted, seen);
+                atomic_fetch_sub(&helpers_sleeping, 1);
+                until = now_ns() + atomic_load(&spin_ns);
+            }
+            if (yield) sched_yield();
+            else relax();
+        }
+        seen = atomic_load(&posted);
+        work((uint32_t)seen, &w, &cap);
+    }
+    return NULL;
+}
+
+/* y = x W^T on `threads` threads (this one and threads - 1 helpers, started on first use and kept).
+   Returns as tidal_block_gemm; a pool that cannot start its helpers, or is in use by another
+   caller, computes on this thread alone. */
+int tidal_block_gemm_mt(const float *x, int64_t M, int64_t K, int kind, const uint8_t *qs, const float *scale,
+                        const float *offset, int64_t N, float *y, int threads) {
+    if (bad_args(M, K, kind, N)) return 1;
+    if (threads > POOL_MAX) threads = POOL_MAX;
+    if (threads < 2 || N < 6 || M * N * K < POOL_MIN_MACS || pthread_mutex_trylock(&pool_lock) != 0)
+        return tidal_block_gemm(x, M, K, kind, qs, scale, offset, N, y);
+    while (helpers < threads - 1) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&t, &attr, helper_main, NULL);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;
+        helpers++;
+    }
+    float *w = aligned_alloc(64, (size_t)(3 * K) * sizeof(float));
+    if (w == NULL) {
+        pthread_mutex_unlock(&pool_lock);
+        return 3;
+    }
+    int64_t triples = (N + 2) / 3, want = (int64_t)threads * CHUNKS_PER_THREAD;
+    int64_t per = (triples + want - 1) / want;
+    job = (pool_job){x, scale, offset, qs, y, M, K, N, 3 * per, kind, (int)((triples + per - 1) / per)};
+    int chunks = job.chunks;
+    atomic_store(&finished, 0);
+    uint32_t gen = (uint32_t)atomic_load(&posted) + 1;
+    atomic_store(&ticket, (uint64_t)gen << 32);
+    atomic_store(&posted, (int)gen);
+    if (atomic_load(&helpers_sleeping)) futex_wake(&posted, INT_MAX);
+    int64_t cap = 3 * K;
+    work(gen, &w, &cap);
+    int64_t until = now_ns() + 20000;
+    for (int spins = 0; atomic_load(&finished) < chunks; spins++) {
+        if ((spins & 63) == 0 && now_ns() >= until) {
+            atomic_store(&caller_sleeping, 1);
+            int seen = atomic_load(&finished);
+            if (seen < chunks) futex_wait(&finished, seen);
+            atomic_store(&caller_sleeping, 0);
+        }
+        relax();
+    }
+    free(w);
+    pthread_mutex_unlock(&pool_lock);
+    return 0;
+}
+
+/* How long an idle helper waits for the next call before it sleeps (ns; 0: sleep at once), and
+   whether it yields its core while it waits (1) or spins on the CPU's pause (0). */
+void tidal_block_gemm_spin(long ns, int yield) {
+    atomic_store(&spin_ns, ns < 0 ? 0 : ns);
+    atomic_store(&spin_yield, yield);
+}
+
+#else
+int tidal_block_gemm_mt(const float *x, int64_t M, int64_t K, int kind, const uint8_t *qs, const float *scale,
+                        const float *offset, int64_t N, float *y, int threads) {
+    (void)threads;
+    return tidal_block_gemm(x, M, K, kind, qs, scale, offset, N, y);
+}
+void tidal_block_gemm_spin(long ns, int yield) { (void)ns; (void)yield; }
+#endif
+
 
 /* The first row whose widened blocks differ from w [N, K] in value, or -1 when none does (-2: a
    bad shape or kind, -3: no memory). How a loader proves the blocks are the same weights. Value,
