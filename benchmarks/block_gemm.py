@@ -5,11 +5,13 @@ the tied 49,152-row LM head), each called once per "step" in model order, as a d
 calls them: `BlockWeights.matmul` (actors/models/block_gemm.py, the blocks of the Q4_1 / Q8_0
 file the model was converted from) against `CpuWeights.linear` without blocks (one row: the
 transposed copy; more: oneDNN's packed layout), the float32 path `cpu_block_gemm: false`
-serves. One torch thread; this thread's CPU time; the two alternate in rounds and the minimum
-over rounds is kept (a shared box only ever adds time). Also prints the largest difference of
-the outputs, relative to their scale: float32 rounding, the weights being the same values.
+serves. One torch thread by default, timed in this thread's CPU time; `--threads N` runs both on
+N threads (the blocks on their kernel's pool, float32 on oneDNN's) and times wall clock. The two
+alternate in rounds and the minimum over rounds is kept (a shared box only ever adds time).
+Also prints the largest difference of the outputs, relative to their scale: float32 rounding,
+the weights being the same values.
 
-    python benchmarks/block_gemm.py [--rows 1,2,4,6,8,12,16] [--rounds 5]
+    python benchmarks/block_gemm.py [--rows 1,2,4,6,8,12,16] [--rounds 5] [--threads 1]
     python benchmarks/block_gemm.py --memory   # RSS of the loaded model, float32 layouts vs blocks
 
 `--memory` loads SmolLM2 in two fresh interpreters, as a worker does (`cpu_gemm` layouts, then
@@ -57,6 +59,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,4,6,8,12,16")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (more than 1: wall-clock time)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--memory", action="store_true", help="resident memory of the loaded model, both ways")
     args = ap.parse_args()
@@ -69,7 +72,8 @@ def main() -> int:
     from actors.models.block_gemm import attach_blocks
     from actors.models.cpu_gemm import CpuWeights, prepare_cpu_gemm
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
     path = model_loader.prepare(model_loader.DEFAULT_MODEL)
     source = model_loader.gguf_source(path)
     if source is None:
@@ -88,17 +92,18 @@ def main() -> int:
         best = {"blocks": float("inf"), "float32": float("inf")}
         for r in range(args.rounds):
             for name in (("blocks", "float32") if r % 2 == 0 else ("float32", "blocks")):
-                t0 = time.thread_time()
+                t0 = clock()
                 for blocks, plain in pairs:
                     x = xs[blocks.shape[1]]
                     blocks.matmul(x) if name == "blocks" else plain.linear(x)
-                best[name] = min(best[name], time.thread_time() - t0)
+                best[name] = min(best[name], clock() - t0)
         err = max(((b.matmul(xs[b.shape[1]]) - p.linear(xs[b.shape[1]])).abs().max()
                    / p.linear(xs[b.shape[1]]).abs().max()).item() for b, p in pairs)
         row = {"rows": rows, "blocks_ms": best["blocks"] * 1e3, "float32_ms": best["float32"] * 1e3,
                "ratio": best["blocks"] / best["float32"], "max_rel_diff": err}
         rows_out.append(row)
-        print(f"{rows:3d} rows: blocks {row['blocks_ms']:7.1f} ms, float32 {row['float32_ms']:7.1f} ms CPU a step "
+        kind = "CPU" if args.threads == 1 else "wall"
+        print(f"{rows:3d} rows: blocks {row['blocks_ms']:7.1f} ms, float32 {row['float32_ms']:7.1f} ms {kind} a step "
               f"(x{row['ratio']:.2f}); largest difference {err:.1e} of the output's scale", flush=True)
     if args.json:
         print(json.dumps(rows_out, indent=2))

@@ -18,6 +18,15 @@ layouts on one AVX2 core (benchmarks/block_gemm.py): x0.44 at one row, x0.35 at 
 four, x0.81 at eight, x0.96 at twelve, x1.00 at sixteen. So calls of at most `MAX_ROWS` rows
 take the blocks; prefill chunks keep oneDNN's packed float32.
 
+Threads: a call uses as many as torch does (`torch.get_num_threads()`, the worker's
+`engine.torch_threads`). The kernel's own pool shares W's rows in chunks claimed from one
+counter by the caller and its helpers; the caller never waits for a helper that has not begun,
+so a helper the OS has descheduled (the Serve processes share a 2-core box) costs the call
+nothing but its share of the speed-up. Idle helpers yield their core while they wait
+`POOL_SPIN_NS` for the next call, then sleep. Every output is the same bits on any number of
+threads. A decode step on two threads takes 0.71-0.77x its one-thread time (benchmarks/
+cpu_threads.py).
+
 Exactness is checked, not assumed: `attach_blocks` finds each linear's rows among the GGUF's by
 content (so fused projections and the converter's row permutations need no name table), and
 attaches blocks only when they reproduce the module's float32 weight (the kernel compares every
