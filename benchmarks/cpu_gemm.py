@@ -2,7 +2,7 @@
 
 Two offline engines over SmolLM2-135M-Instruct (float32, one torch thread, the `continuous`
 core preset), one with `EngineSpec.cpu_gemm` on and one off, in the same process (`--flag
-cpu_block_gemm`: that switch instead, the GGUF's quantized blocks for linears of up to 12 rows;
+cpu_block_gemm`: that switch instead, the GGUF's quantized blocks for linears of up to 16 rows;
 with `cpu_gemm` off neither runs; `--flag cpu_fused_ops`: the fused C norms, SiLU and RoPE). For each
 batch size, both run the same requests (`--prompt` tokens each, greedy, `ignore_eos`) in
 alternating rounds: the prefill step's and the decode steps' CPU time (this thread's, so a

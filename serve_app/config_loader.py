@@ -42,7 +42,7 @@ class EngineArgs(_Strict):
     cpu_attention: bool = Field(True, description="CPU float32: decode attention reads the KV blocks in place "
                                 "(a C kernel); false: gather + SDPA")
     cpu_block_gemm: bool = Field(True, description="CPU float32, a model converted from a GGUF: linears of up to "
-                                 "12 rows read the file's quantized blocks (the same weights, a C kernel)")
+                                 "16 rows read the file's quantized blocks (the same weights, a C kernel)")
     cpu_fused_ops: bool = Field(True, description="CPU float32: RMSNorm (with the residual add), SiLU x up and "
                                 "RoPE in one C call each instead of PyTorch's ~25 ops a layer")
     torch_threads: int | None = Field(None, ge=1, description="CPU: PyTorch threads per TP worker (default: of the "

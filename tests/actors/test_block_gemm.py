@@ -98,7 +98,7 @@ def test_the_pool_gives_one_threads_bits(kind: int, build: str) -> None:
     for n, k in [(1000, 96), (97, 1152), (6, 12288), (4001, 32)]:
         raw, _ = _quantized(kind, n, k, seed=n)
         blocks = _blocks(raw, kind)
-        for rows in [1, 2, 5, 12, 13]:
+        for rows in [1, 2, 5, 12, 13, 16]:
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
             one = _with_threads(1, blocks, x)
             for threads in (2, 3, 8):
