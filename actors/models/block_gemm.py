@@ -16,8 +16,8 @@ and multiplies in float32; only the order of the sums differs from a float32 GEM
 does between any two GEMM kernels. SmolLM2's linears, CPU time a step against the float32
 layouts on one AVX2 core (benchmarks/block_gemm.py): x0.44 at one row, x0.35 at two, x0.67 at
 four, x0.81 at eight, x0.96 at twelve, x1.00 at sixteen; on two threads (the pool below against
-oneDNN's) x0.83 at twelve and x0.88 at sixteen. So calls of at most `MAX_ROWS` rows take the
-blocks; prefill chunks keep oneDNN's packed float32.
+oneDNN's, wall time) x0.72-0.80 at eight, x0.83-0.95 at twelve, x0.88-0.97 at sixteen. So
+calls of at most `MAX_ROWS` rows take the blocks; prefill chunks keep oneDNN's packed float32.
 
 Threads: a call uses as many as torch does (`torch.get_num_threads()`, the worker's
 `engine.torch_threads`). The kernel's own pool shares W's rows in chunks claimed from one
@@ -59,8 +59,9 @@ Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids
 _LAYOUT = {Q4_0: (18, 16), Q4_1: (20, 16), Q8_0: (34, 32)}  # bytes per block in the file, of them quants
 # Rows up to which a linear takes the blocks (the kernel against the packed float32 at SmolLM2's
 # shapes, benchmarks/block_gemm.py: one thread's CPU time x0.81 at 8 rows, x0.96 at 12, x1.00 at
-# 16; two threads' wall time x0.72, x0.83, x0.88). Sixteen: a dev server's full decode batch
-# (local.yaml's max_batch_size) runs on the pool, which a descheduled helper does not stall.
+# 16; two threads' wall time x0.72-0.80, x0.83-0.95, x0.88-0.97). Sixteen: a dev server's full
+# decode batch (local.yaml's max_batch_size) runs on the pool, which a descheduled helper does not
+# stall as it does oneDNN's team (served c=16: 1.095x against 12, benchmarks/RESULTS.md).
 MAX_ROWS = 16
 # How long a pool helper waits for the next call, yielding its core to whatever else is runnable,
 # before it sleeps: a decode step's linears come tens of microseconds apart.
