@@ -135,6 +135,37 @@ def test_the_pool_with_sleeping_helpers_and_concurrent_callers() -> None:
         lib.tidal_block_gemm_spin(block_gemm.POOL_SPIN_NS, 1)
 
 
+def test_the_pool_across_rapid_calls_of_different_shapes() -> None:
+    """A stress of the hand-off between calls: thousands of back-to-back calls whose shapes (and so
+    chunk counts and sizes) change every call, with a busy thread beside them so helpers are
+    descheduled mid-call. Every result exact: no helper claims, writes or counts a chunk of a
+    call from a counter value it read during the one before (each call closes its counter
+    before returning; the window it closes is too narrow to hit on purpose)."""
+    import threading
+
+    mats = [_blocks(_quantized(Q8_0, n, k, seed=n)[0], Q8_0) for n, k in [(129, 576), (1501, 64), (300, 224)]]
+    xs = [torch.randn(r, m.shape[1], generator=torch.Generator().manual_seed(r))
+          for m, r in zip(mats, (3, 1, 7), strict=True)]
+    want = [_with_threads(1, m, x) for m, x in zip(mats, xs, strict=True)]
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            sum(range(2000))
+
+    neighbour = threading.Thread(target=busy, daemon=True)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        neighbour.start()
+        bad = sum(not torch.equal(mats[i % 3].matmul(xs[i % 3]), want[i % 3]) for i in range(3000))
+    finally:
+        stop.set()
+        neighbour.join()
+        torch.set_num_threads(before)
+    assert bad == 0
+
+
 def test_mismatch_names_the_first_row_that_differs() -> None:
     raw, w = _quantized(Q4_1, 12, 64, seed=3)
     blocks, weight = _blocks(raw, Q4_1), torch.from_numpy(w.copy())

@@ -173,8 +173,10 @@ int tidal_block_gemm(const float *x, int64_t M, int64_t K, int kind, const uint8
    first), then sleeps on a futex.
 
    The claim counter holds the call's generation in its high 32 bits, so a helper that wakes late
-   cannot claim a chunk of a later call; the call's arguments are read only after a successful
-   claim, and a call ends only when all its chunks are done. One caller at a time uses the pool
+   cannot claim a chunk of a later call, and a call closes its counter before it returns, so a
+   claim made with a value read during the call fails once the call is over; the call's
+   arguments are copied only after a successful claim, and a call ends only when all its chunks
+   are done. One caller at a time uses the pool
    (a second, concurrent caller computes alone). */
 
 #if defined(__linux__)
@@ -326,6 +328,10 @@ int tidal_block_gemm_mt(const float *x, int64_t M, int64_t K, int kind, const ui
         }
         relax();
     }
+    /* Closed: a helper still holding this generation's counter value from before (descheduled
+       between reading it and claiming) now fails its claim, even after the next call has
+       rewritten `job`, and cannot count a chunk into that call's `finished`. */
+    atomic_store(&ticket, ((uint64_t)gen << 32) | 0xFFFFFFFFu);
     free(w);
     pthread_mutex_unlock(&pool_lock);
     return 0;
