@@ -71,14 +71,11 @@ POOL_SPIN_NS = 50_000
 def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.tidal_block_gemm
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, i64, ptr]
+    fn.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
-    mt = lib.tidal_block_gemm_mt
-    mt.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
-    mt.restype = ctypes.c_int
-    lib.tidal_block_gemm_spin.argtypes = [ctypes.c_long, ctypes.c_int]
+    lib.tidal_block_gemm_spin.argtypes = [ctypes.c_long]
     lib.tidal_block_gemm_spin.restype = None
-    lib.tidal_block_gemm_spin(POOL_SPIN_NS, 1)
+    lib.tidal_block_gemm_spin(POOL_SPIN_NS)
     check = lib.tidal_block_mismatch
     check.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr]
     check.restype = i64
@@ -114,9 +111,9 @@ class BlockWeights:
         if not x.is_contiguous():
             x = x.contiguous()
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        rc = lib.tidal_block_gemm_mt(x.data_ptr(), x.shape[0], k, self.kind, self.quants.data_ptr(),
-                                     self.scale.data_ptr(), self.offset.data_ptr(), n, y.data_ptr(),
-                                     torch.get_num_threads())
+        rc = lib.tidal_block_gemm(x.data_ptr(), x.shape[0], k, self.kind, self.quants.data_ptr(),
+                                  self.scale.data_ptr(), self.offset.data_ptr(), n, y.data_ptr(),
+                                  torch.get_num_threads())
         if rc:
             raise ValueError(f"block matmul: kernel error {rc}")
         return y

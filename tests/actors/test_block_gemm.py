@@ -120,7 +120,7 @@ def test_the_pool_with_sleeping_helpers_and_concurrent_callers() -> None:
     try:
         torch.set_num_threads(2)
         for spin_ns in (0, 50_000):
-            lib.tidal_block_gemm_spin(spin_ns, 1)
+            lib.tidal_block_gemm_spin(spin_ns)
             for _ in range(20):
                 assert all(torch.equal(m.matmul(x), w) for (m, x), w in zip(pairs, want, strict=True))
 
@@ -132,7 +132,7 @@ def test_the_pool_with_sleeping_helpers_and_concurrent_callers() -> None:
             assert all(pool.map(many, range(4)))
     finally:
         torch.set_num_threads(before)
-        lib.tidal_block_gemm_spin(block_gemm.POOL_SPIN_NS, 1)
+        lib.tidal_block_gemm_spin(block_gemm.POOL_SPIN_NS)
 
 
 def test_the_pool_across_rapid_calls_of_different_shapes() -> None:

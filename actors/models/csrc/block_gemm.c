@@ -148,10 +148,9 @@ static int bad_args(int64_t M, int64_t K, int kind, int64_t N) {
     return M < 0 || N < 0 || K <= 0 || K % QK || (kind != KIND_Q4_0 && kind != KIND_Q4_1 && kind != KIND_Q8_0);
 }
 
-/* Returns 0, or 1 for a bad shape or kind, 3 when the scratch cannot be allocated. */
-int tidal_block_gemm(const float *x, int64_t M, int64_t K, int kind, const uint8_t *qs, const float *scale,
-                     const float *offset, int64_t N, float *y) {
-    if (bad_args(M, K, kind, N)) return 1;
+/* y = x W^T on this thread alone: 0, or 3 when the scratch cannot be allocated. */
+static int gemm_one(const float *x, int64_t M, int64_t K, int kind, const uint8_t *qs, const float *scale,
+                    const float *offset, int64_t N, float *y) {
     float *w = aligned_alloc(64, (size_t)(3 * K) * sizeof(float));
     if (w == NULL) return 3;
     gemm_rows(x, M, K, kind, qs, scale, offset, N, y, 0, N, w);
@@ -207,8 +206,7 @@ static _Atomic uint64_t ticket;             /* generation << 32 | next chunk to 
 static atomic_int posted;                   /* the latest generation: the helpers' futex word */
 static atomic_int finished;                 /* chunks done in the current call: the caller's futex word */
 static atomic_int helpers_sleeping, caller_sleeping;
-static atomic_long spin_ns = 50000;
-static atomic_int spin_yield = 1;
+static atomic_long spin_ns = 0;             /* set by the loader (block_gemm.py's POOL_SPIN_NS) */
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static int helpers;                         /* started so far (under pool_lock) */
 
@@ -233,19 +231,18 @@ static inline void relax(void) {
 }
 
 /* Claim and compute chunks of generation `gen` until none is left. `*w`, `*cap`: this thread's scratch. */
-static int work(uint32_t gen, float **w, int64_t *cap) {
-    int done = 0;
+static void work(uint32_t gen, float **w, int64_t *cap) {
     for (;;) {
         uint64_t t = atomic_load(&ticket);
-        if ((uint32_t)(t >> 32) != gen) return done;
+        if ((uint32_t)(t >> 32) != gen) return;
         int chunks = __atomic_load_n(&job.chunks, __ATOMIC_RELAXED);
         int64_t K = __atomic_load_n(&job.K, __ATOMIC_RELAXED);
-        if ((int64_t)(uint32_t)t >= chunks) return done;
+        if ((int64_t)(uint32_t)t >= chunks) return;
         if (*cap < 3 * K) {  /* before claiming: a thread without scratch leaves the chunk to others */
             free(*w);
             *w = aligned_alloc(64, (size_t)(3 * K) * sizeof(float));
             *cap = *w ? 3 * K : 0;
-            if (*w == NULL) return done;
+            if (*w == NULL) return;
         }
         if (!atomic_compare_exchange_weak(&ticket, &t, t + 1)) continue;
         /* Claimed: the call cannot end before this chunk is done, so its arguments (read above
@@ -255,7 +252,6 @@ static int work(uint32_t gen, float **w, int64_t *cap) {
         gemm_rows(j.x, j.M, j.K, j.kind, j.qs, j.scale, j.offset, j.N, j.y, n0, n1, *w);
         atomic_fetch_add(&finished, 1);
         if (atomic_load(&caller_sleeping)) futex_wake(&finished, 1);
-        done++;
     }
 }
 
@@ -266,16 +262,14 @@ static void *helper_main(void *arg) {
     int seen = atomic_load(&posted);
     for (;;) {
         int64_t until = now_ns() + atomic_load(&spin_ns);
-        for (int spins = 0; atomic_load(&posted) == seen; spins++) {
-            int yield = atomic_load(&spin_yield);
-            if ((yield || (spins & 255) == 0) && now_ns() >= until) {
+        while (atomic_load(&posted) == seen) {
+            if (now_ns() >= until) {
                 atomic_fetch_add(&helpers_sleeping, 1);
                 if (atomic_load(&posted) == seen) futex_wait(&posted, seen);
                 atomic_fetch_sub(&helpers_sleeping, 1);
                 until = now_ns() + atomic_load(&spin_ns);
             }
-            if (yield) sched_yield();
-            else relax();
+            sched_yield();
         }
         seen = atomic_load(&posted);
         work((uint32_t)seen, &w, &cap);
@@ -284,14 +278,15 @@ static void *helper_main(void *arg) {
 }
 
 /* y = x W^T on `threads` threads (this one and threads - 1 helpers, started on first use and kept).
-   Returns as tidal_block_gemm; a pool that cannot start its helpers, or is in use by another
-   caller, computes on this thread alone. */
-int tidal_block_gemm_mt(const float *x, int64_t M, int64_t K, int kind, const uint8_t *qs, const float *scale,
-                        const float *offset, int64_t N, float *y, int threads) {
+   Returns 0, or 1 for a bad shape or kind, 3 when the scratch cannot be allocated. One thread, a
+   small call, a pool that cannot start its helpers or one in use by another caller: this thread
+   computes alone. */
+int tidal_block_gemm(const float *x, int64_t M, int64_t K, int kind, const uint8_t *qs, const float *scale,
+                     const float *offset, int64_t N, float *y, int threads) {
     if (bad_args(M, K, kind, N)) return 1;
     if (threads > POOL_MAX) threads = POOL_MAX;
     if (threads < 2 || N < 6 || M * N * K < POOL_MIN_MACS || pthread_mutex_trylock(&pool_lock) != 0)
-        return tidal_block_gemm(x, M, K, kind, qs, scale, offset, N, y);
+        return gemm_one(x, M, K, kind, qs, scale, offset, N, y);
     while (helpers < threads - 1) {
         pthread_t t;
         pthread_attr_t attr;
@@ -337,20 +332,17 @@ int tidal_block_gemm_mt(const float *x, int64_t M, int64_t K, int kind, const ui
     return 0;
 }
 
-/* How long an idle helper waits for the next call before it sleeps (ns; 0: sleep at once), and
-   whether it yields its core while it waits (1) or spins on the CPU's pause (0). */
-void tidal_block_gemm_spin(long ns, int yield) {
-    atomic_store(&spin_ns, ns < 0 ? 0 : ns);
-    atomic_store(&spin_yield, yield);
-}
+/* How long an idle helper waits for the next call, yielding its core, before it sleeps (ns; 0:
+   sleep at once). */
+void tidal_block_gemm_spin(long ns) { atomic_store(&spin_ns, ns < 0 ? 0 : ns); }
 
 #else
-int tidal_block_gemm_mt(const float *x, int64_t M, int64_t K, int kind, const uint8_t *qs, const float *scale,
-                        const float *offset, int64_t N, float *y, int threads) {
+int tidal_block_gemm(const float *x, int64_t M, int64_t K, int kind, const uint8_t *qs, const float *scale,
+                     const float *offset, int64_t N, float *y, int threads) {
     (void)threads;
-    return tidal_block_gemm(x, M, K, kind, qs, scale, offset, N, y);
+    return bad_args(M, K, kind, N) ? 1 : gemm_one(x, M, K, kind, qs, scale, offset, N, y);
 }
-void tidal_block_gemm_spin(long ns, int yield) { (void)ns; (void)yield; }
+void tidal_block_gemm_spin(long ns) { (void)ns; }
 #endif
 
 
