@@ -20,12 +20,11 @@ oneDNN's, wall time) x0.72-0.80 at eight, x0.83-0.95 at twelve, x0.88-0.97 at si
 calls of at most `MAX_ROWS` rows take the blocks; prefill chunks keep oneDNN's packed float32.
 
 Threads: a call uses as many as torch does (`torch.get_num_threads()`, the worker's
-`engine.torch_threads`). The kernel's own pool shares W's rows in chunks claimed from one
-counter by the caller and its helpers; the caller never waits for a helper that has not begun,
-so a helper the OS has descheduled (the Serve processes share a 2-core box) costs the call
-nothing but its share of the speed-up. Idle helpers yield their core while they wait
-`POOL_SPIN_NS` for the next call, then sleep. Every output is the same bits on any number of
-threads. A decode step on two threads takes 0.71-0.77x its one-thread time (benchmarks/
+`engine.torch_threads`), on the CPU kernels' pool (actors/models/cpu_pool.py): W's rows go out
+in chunks claimed from one counter by the caller and its helpers; the caller never waits for a
+helper that has not begun, so a helper the OS has descheduled (the Serve processes share a
+2-core box) costs the call nothing but its share of the speed-up. Every output is the same bits
+on any number of threads. A decode step on two threads takes 0.71-0.77x its one-thread time (benchmarks/
 cpu_threads.py).
 
 Exactness is checked, not assumed: `attach_blocks` finds each linear's rows among the GGUF's by
@@ -50,6 +49,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from actors.models import cpu_pool
 from actors.models.ckernel import CKernel
 
 log = logging.getLogger(__name__)
@@ -63,25 +63,19 @@ _LAYOUT = {Q4_0: (18, 16), Q4_1: (20, 16), Q8_0: (34, 32)}  # bytes per block in
 # decode batch (local.yaml's max_batch_size) runs on the pool, which a descheduled helper does not
 # stall as it does oneDNN's team (served c=16: 1.095x against 12, benchmarks/RESULTS.md).
 MAX_ROWS = 16
-# How long a pool helper waits for the next call, yielding its core to whatever else is runnable,
-# before it sleeps: a decode step's linears come tens of microseconds apart.
-POOL_SPIN_NS = 50_000
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.tidal_block_gemm
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
+    fn.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, i64, ptr, ctypes.c_int, ptr]
     fn.restype = ctypes.c_int
-    lib.tidal_block_gemm_spin.argtypes = [ctypes.c_long]
-    lib.tidal_block_gemm_spin.restype = None
-    lib.tidal_block_gemm_spin(POOL_SPIN_NS)
     check = lib.tidal_block_mismatch
     check.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr]
     check.restype = i64
 
 
-KERNEL = CKernel("block_gemm.c", _declare, "linears read the float32 weights", extra_flags=("-pthread",))
+KERNEL = CKernel("block_gemm.c", _declare, "linears read the float32 weights")
 main = KERNEL.main
 
 
@@ -113,7 +107,7 @@ class BlockWeights:
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         rc = lib.tidal_block_gemm(x.data_ptr(), x.shape[0], k, self.kind, self.quants.data_ptr(),
                                   self.scale.data_ptr(), self.offset.data_ptr(), n, y.data_ptr(),
-                                  torch.get_num_threads())
+                                  torch.get_num_threads(), cpu_pool.runner())
         if rc:
             raise ValueError(f"block matmul: kernel error {rc}")
         return y

@@ -4,6 +4,10 @@ Owns: `KERNEL` (`csrc/paged_decode.c` as a shared library; `load()` builds it fi
 missing) and `paged_decode(...)`, one call per layer for a whole decode batch of the portable
 backend on CPU in float32 (actors/models/attention.py).
 
+Threads: as many as torch uses (`torch.get_num_threads()`), on the CPU kernels' pool
+(actors/models/cpu_pool.py), one decode's one KV head at a time; every output is the same bits
+on any number of threads.
+
 Why: the portable decode path gathers every decode's blocks with `index_select` into a dense
 tensor and runs SDPA with a length mask; on one core the copy and SDPA's passes over it cost
 more than the one pass over K and one over V that reading the blocks in place needs.
@@ -25,6 +29,7 @@ import ctypes
 
 import torch
 
+from actors.models import cpu_pool
 from actors.models.ckernel import CKernel
 
 _ERRORS = {1: "a context length outside [1, table width x block size]", 2: "a block id outside the cache",
@@ -36,7 +41,7 @@ _F32, _I64 = torch.float32, torch.int64
 def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.tidal_paged_decode
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ptr]
     fn.restype = ctypes.c_int
 
 
@@ -79,6 +84,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         context_lens = context_lens.to(_I64).contiguous()
     rc = lib.tidal_paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                                 context_lens.data_ptr(), out.data_ptr(), num, heads, kv_heads, head_dim, block_size,
-                                block_tables.shape[1], nb, scale)
+                                block_tables.shape[1], nb, scale, torch.get_num_threads(), cpu_pool.runner())
     if rc:
         raise ValueError(f"paged_decode: {_ERRORS.get(rc, f'error {rc}')}")

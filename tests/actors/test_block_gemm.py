@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 from safetensors.torch import load_file, save_file
 
 from actors import model_loader
-from actors.models import block_gemm
+from actors.models import block_gemm, cpu_pool
 from actors.models.block_gemm import Q4_0, Q4_1, Q8_0, BlockWeights, _split_rows
 from tests.model_helpers import (
     generate_ids,
@@ -110,8 +110,6 @@ def test_the_pool_with_sleeping_helpers_and_concurrent_callers() -> None:
     threads calling at once (one holds the pool, the others compute alone): every result exact."""
     from concurrent.futures import ThreadPoolExecutor
 
-    lib = block_gemm.KERNEL.load()
-    assert lib is not None
     mats = [_blocks(_quantized(Q4_1, n, k, seed=n)[0], Q4_1) for n, k in [(300, 576), (577, 64), (96, 1536)]]
     xs = [torch.randn(r, m.shape[1], generator=torch.Generator().manual_seed(r)) for m in mats for r in (1, 4, 9)]
     pairs = [(m, x) for m in mats for x in xs if x.shape[1] == m.shape[1]]
@@ -120,7 +118,7 @@ def test_the_pool_with_sleeping_helpers_and_concurrent_callers() -> None:
     try:
         torch.set_num_threads(2)
         for spin_ns in (0, 50_000):
-            lib.tidal_block_gemm_spin(spin_ns)
+            cpu_pool.set_spin(spin_ns)
             for _ in range(20):
                 assert all(torch.equal(m.matmul(x), w) for (m, x), w in zip(pairs, want, strict=True))
 
@@ -132,7 +130,7 @@ def test_the_pool_with_sleeping_helpers_and_concurrent_callers() -> None:
             assert all(pool.map(many, range(4)))
     finally:
         torch.set_num_threads(before)
-        lib.tidal_block_gemm_spin(block_gemm.POOL_SPIN_NS)
+        cpu_pool.set_spin(cpu_pool.SPIN_NS)
 
 
 def test_the_pool_across_rapid_calls_of_different_shapes() -> None:

@@ -1,8 +1,9 @@
 """The in-place CPU decode attention (actors/models/cpu_attention.py, csrc/paged_decode.c) against
 the gather + SDPA path and a dense float64 reference (tests/paged_reference.py): uneven lengths
 around block edges and past 300 tokens, GQA groups of 1-8, the head dims with register-blocked
-loops (32, 64, 96, 128) and without (8, 12, 40), tables padded with the scratch block, inputs
-it must copy or refuse, tables it must refuse; building, caching and the fallback without a
+loops (32, 64, 96, 128) and without (8, 12, 40), the same bits on one thread and on the kernels'
+pool (its helpers asleep or spinning, with concurrent callers), tables padded with the scratch
+block, inputs it must copy or refuse, tables it must refuse; building, caching and the fallback without a
 compiler; and an engine that generates the same greedy tokens with the kernel and without.
 """
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.models import ckernel, cpu_attention
+from actors.models import ckernel, cpu_attention, cpu_pool
 from actors.models.attention import AttentionMetadata, PrefillSpan, decode_attention, paged_attention
 from tests.model_helpers import (
     GREEDY,
@@ -73,6 +74,57 @@ def test_scores_far_apart_and_long_contexts() -> None:
     k = case.k_cache.view(-1, 3, 64)[[case.tables[0][p // 16] * 16 + p % 16 for p in range(2000)], 0]
     scores = torch.einsum("hd,ld->hl", case.q[0, :3], k) * case.scale
     assert (scores.max(-1).values - scores.min(-1).values).min().item() > 87  # the clamp is reached
+
+
+def _threads(threads: int, case: Case) -> torch.Tensor:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _kernel(case)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_the_pool_gives_one_threads_bits(build: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shared between threads (torch's thread count, the kernels' pool: actors/models/cpu_pool.py),
+    each decode's KV head on one thread: every output the same float32 bits as on one thread, for
+    every shape, one decode or many."""
+    if build == "portable":
+        use_portable_build(cpu_attention.KERNEL, tmp_path, monkeypatch)
+    assert cpu_pool.runner() is not None
+    for shape in SHAPES:
+        for lens in (LENS, [300], [40, 7]):
+            case = make_case(lens, [1] * len(lens), *shape, seed=len(lens) + sum(shape))
+            one = _threads(1, case)
+            for threads in (2, 3, 8):
+                assert torch.equal(_threads(threads, case), one), (shape, lens, threads)
+
+
+def test_the_pool_with_sleeping_helpers_and_concurrent_callers() -> None:
+    """Helpers that sleep at once after each call (the futex path every call), and four Python
+    threads calling at once (one holds the pool, the others compute alone): every result exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [make_case(lens, [1] * len(lens), *shape, seed=i)
+             for i, (lens, shape) in enumerate([(LENS, SHAPES[0]), ([90, 3, 200], SHAPES[5]), ([64], SHAPES[4])])]
+    want = [_threads(1, c) for c in cases]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for spin_ns in (0, cpu_pool.SPIN_NS):
+            cpu_pool.set_spin(spin_ns)
+            for _ in range(10):
+                assert all(torch.equal(_kernel(c), w) for c, w in zip(cases, want, strict=True))
+
+        def many(seed: int) -> bool:
+            return all(torch.equal(_kernel(cases[i]), want[i]) for _ in range(10) for i in (seed % 3, 2, 1, 0))
+
+        with ThreadPoolExecutor(4) as pool:
+            assert all(pool.map(many, range(4)))
+    finally:
+        torch.set_num_threads(before)
+        cpu_pool.set_spin(cpu_pool.SPIN_NS)
 
 
 def test_table_padding_and_the_scratch_block_are_never_read() -> None:

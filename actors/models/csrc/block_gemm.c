@@ -1,5 +1,5 @@
 /* y = x W^T with W kept in its quantized blocks (GGUF Q4_0, Q4_1, Q8_0), float32 math, on one thread or
-   shared by a small pool (below).
+   shared by the kernels' pool (csrc/pool.c).
 
    Built by actors/models/block_gemm.py (gcc -O3 -ffp-contract=fast, plus -mavx2 -mfma where the
    CPU has them) and called through ctypes for the linears of a decode-sized step. Plain C: no
@@ -22,7 +22,6 @@
    or 1.06 (8-bit) bytes each instead of 4: at the few rows of a decode step the float32 product
    is bound by that read. */
 
-#define _GNU_SOURCE /* syscall(), clock_gettime() under -std=c11 */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -148,47 +147,13 @@ static int bad_args(int64_t M, int64_t K, int kind, int64_t N) {
     return M < 0 || N < 0 || K <= 0 || K % QK || (kind != KIND_Q4_0 && kind != KIND_Q4_1 && kind != KIND_Q8_0);
 }
 
-/* y = x W^T on this thread alone: 0, or 3 when the scratch cannot be allocated. */
-static int gemm_one(const float *x, int64_t M, int64_t K, int kind, const uint8_t *qs, const float *scale,
-                    const float *offset, int64_t N, float *y) {
-    float *w = aligned_alloc(64, (size_t)(3 * K) * sizeof(float));
-    if (w == NULL) return 3;
-    gemm_rows(x, M, K, kind, qs, scale, offset, N, y, 0, N, w);
-    free(w);
-    return 0;
-}
+/* ---- Threads: the pool of csrc/pool.c (its `tidal_pool_run`, whose address the caller passes).
+   A chunk is a run of W rows (a multiple of 3), so every y value is computed by one thread, in
+   the same order as on one thread. */
 
-/* ---- The pool: one call's W rows shared between the caller and up to POOL_MAX - 1 helper threads.
+typedef void (*pool_task)(void *ctx, int64_t chunk, void *scratch);
+typedef int (*pool_runner)(pool_task task, void *ctx, int64_t chunks, int64_t scratch_bytes, int threads);
 
-   Why not OpenMP: a 2-core box serves with the model worker beside the Serve processes, and a
-   team that waits for a preempted member at a barrier stalls the whole step (measured: oneDNN's
-   two threads on 5-12-row steps were faster offline and slower served). Here nothing waits for
-   a helper that has not started: the rows go out in chunks that every thread claims from one
-   counter, the caller claims too, and it waits only for chunks a helper has already begun (each
-   a few microseconds). A helper the OS has not scheduled claims nothing, and the caller does its
-   share. While it waits the caller sleeps on a futex after a short spin, so a preempted helper
-   can take its core. Between calls a helper waits `spin_ns` for the next one, yielding its core
-   to any other runnable thread at every turn (sched_yield: the Serve processes beside it run
-   first), then sleeps on a futex.
-
-   The claim counter holds the call's generation in its high 32 bits, so a helper that wakes late
-   cannot claim a chunk of a later call, and a call closes its counter before it returns, so a
-   claim made with a value read during the call fails once the call is over; the call's
-   arguments are copied only after a successful claim, and a call ends only when all its chunks
-   are done. One caller at a time uses the pool
-   (a second, concurrent caller computes alone). */
-
-#if defined(__linux__)
-#include <limits.h>
-#include <linux/futex.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
-
-#define POOL_MAX 8
 #define CHUNKS_PER_THREAD 8
 #define POOL_MIN_MACS 65536  /* smaller calls are not worth waking a helper */
 
@@ -198,153 +163,39 @@ typedef struct {
     float *y;
     int64_t M, K, N, rows;  /* rows: W rows per chunk, a multiple of 3 */
     int kind;
-    int chunks;
-} pool_job;
+} gemm_job;
 
-static pool_job job;
-static _Atomic uint64_t ticket;             /* generation << 32 | next chunk to claim */
-static atomic_int posted;                   /* the latest generation: the helpers' futex word */
-static atomic_int finished;                 /* chunks done in the current call: the caller's futex word */
-static atomic_int helpers_sleeping, caller_sleeping;
-static atomic_long spin_ns = 0;             /* set by the loader (block_gemm.py's POOL_SPIN_NS) */
-static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
-static int helpers;                         /* started so far (under pool_lock) */
-
-static void futex_wait(atomic_int *addr, int value) {
-    syscall(SYS_futex, (int *)addr, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
+static void gemm_chunk(void *ctx, int64_t chunk, void *scratch) {
+    const gemm_job *j = ctx;
+    int64_t n0 = chunk * j->rows, n1 = n0 + j->rows < j->N ? n0 + j->rows : j->N;
+    gemm_rows(j->x, j->M, j->K, j->kind, j->qs, j->scale, j->offset, j->N, j->y, n0, n1, scratch);
 }
 
-static void futex_wake(atomic_int *addr, int count) {
-    syscall(SYS_futex, (int *)addr, FUTEX_WAKE_PRIVATE, count, NULL, NULL, 0);
-}
-
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static inline void relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
-
-/* Claim and compute chunks of generation `gen` until none is left. `*w`, `*cap`: this thread's scratch. */
-static void work(uint32_t gen, float **w, int64_t *cap) {
-    for (;;) {
-        uint64_t t = atomic_load(&ticket);
-        if ((uint32_t)(t >> 32) != gen) return;
-        int chunks = __atomic_load_n(&job.chunks, __ATOMIC_RELAXED);
-        int64_t K = __atomic_load_n(&job.K, __ATOMIC_RELAXED);
-        if ((int64_t)(uint32_t)t >= chunks) return;
-        if (*cap < 3 * K) {  /* before claiming: a thread without scratch leaves the chunk to others */
-            free(*w);
-            *w = aligned_alloc(64, (size_t)(3 * K) * sizeof(float));
-            *cap = *w ? 3 * K : 0;
-            if (*w == NULL) return;
-        }
-        if (!atomic_compare_exchange_weak(&ticket, &t, t + 1)) continue;
-        /* Claimed: the call cannot end before this chunk is done, so its arguments (read above
-           and here, all written before the generation was posted) hold still. */
-        pool_job j = job;
-        int64_t n0 = (int64_t)(uint32_t)t * j.rows, n1 = n0 + j.rows < j.N ? n0 + j.rows : j.N;
-        gemm_rows(j.x, j.M, j.K, j.kind, j.qs, j.scale, j.offset, j.N, j.y, n0, n1, *w);
-        atomic_fetch_add(&finished, 1);
-        if (atomic_load(&caller_sleeping)) futex_wake(&finished, 1);
-    }
-}
-
-static void *helper_main(void *arg) {
-    (void)arg;
-    float *w = NULL;
-    int64_t cap = 0;
-    int seen = atomic_load(&posted);
-    for (;;) {
-        int64_t until = now_ns() + atomic_load(&spin_ns);
-        while (atomic_load(&posted) == seen) {
-            if (now_ns() >= until) {
-                atomic_fetch_add(&helpers_sleeping, 1);
-                if (atomic_load(&posted) == seen) futex_wait(&posted, seen);
-                atomic_fetch_sub(&helpers_sleeping, 1);
-                until = now_ns() + atomic_load(&spin_ns);
-            }
-            sched_yield();
-        }
-        seen = atomic_load(&posted);
-        work((uint32_t)seen, &w, &cap);
-    }
-    return NULL;
-}
-
-/* y = x W^T on `threads` threads (this one and threads - 1 helpers, started on first use and kept).
-   Returns 0, or 1 for a bad shape or kind, 3 when the scratch cannot be allocated. One thread, a
-   small call, a pool that cannot start its helpers or one in use by another caller: this thread
-   computes alone. */
+/* y = x W^T on `threads` threads through `run` (csrc/pool.c's tidal_pool_run; NULL: this thread
+   alone, as for one thread or a small call). Returns 0, or 1 for a bad shape or kind, 3 when a
+   scratch buffer cannot be allocated. */
 int tidal_block_gemm(const float *x, int64_t M, int64_t K, int kind, const uint8_t *qs, const float *scale,
-                     const float *offset, int64_t N, float *y, int threads) {
+                     const float *offset, int64_t N, float *y, int threads, pool_runner run) {
     if (bad_args(M, K, kind, N)) return 1;
-    if (threads > POOL_MAX) threads = POOL_MAX;
-    if (threads < 2 || N < 6 || M * N * K < POOL_MIN_MACS || pthread_mutex_trylock(&pool_lock) != 0)
-        return gemm_one(x, M, K, kind, qs, scale, offset, N, y);
-    while (helpers < threads - 1) {
-        pthread_t t;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int rc = pthread_create(&t, &attr, helper_main, NULL);
-        pthread_attr_destroy(&attr);
-        if (rc != 0) break;
-        helpers++;
+    if (M == 0 || N == 0) return 0;
+    int64_t triples = (N + 2) / 3, per = triples;
+    if (run != NULL && threads > 1 && N >= 6 && M * N * K >= POOL_MIN_MACS) {
+        int64_t want = (int64_t)threads * CHUNKS_PER_THREAD;
+        per = (triples + want - 1) / want;
+    } else {
+        threads = 1;
     }
-    float *w = aligned_alloc(64, (size_t)(3 * K) * sizeof(float));
-    if (w == NULL) {
-        pthread_mutex_unlock(&pool_lock);
-        return 3;
+    gemm_job job = {x, scale, offset, qs, y, M, K, N, 3 * per, kind};
+    int64_t chunks = (triples + per - 1) / per, bytes = 3 * K * (int64_t)sizeof(float);
+    if (threads == 1) {
+        float *w = aligned_alloc(64, (size_t)bytes);
+        if (w == NULL) return 3;
+        gemm_rows(x, M, K, kind, qs, scale, offset, N, y, 0, N, w);
+        free(w);
+        return 0;
     }
-    int64_t triples = (N + 2) / 3, want = (int64_t)threads * CHUNKS_PER_THREAD;
-    int64_t per = (triples + want - 1) / want;
-    job = (pool_job){x, scale, offset, qs, y, M, K, N, 3 * per, kind, (int)((triples + per - 1) / per)};
-    int chunks = job.chunks;
-    atomic_store(&finished, 0);
-    uint32_t gen = (uint32_t)atomic_load(&posted) + 1;
-    atomic_store(&ticket, (uint64_t)gen << 32);
-    atomic_store(&posted, (int)gen);
-    if (atomic_load(&helpers_sleeping)) futex_wake(&posted, INT_MAX);
-    int64_t cap = 3 * K;
-    work(gen, &w, &cap);
-    int64_t until = now_ns() + 20000;
-    for (int spins = 0; atomic_load(&finished) < chunks; spins++) {
-        if ((spins & 63) == 0 && now_ns() >= until) {
-            atomic_store(&caller_sleeping, 1);
-            int seen = atomic_load(&finished);
-            if (seen < chunks) futex_wait(&finished, seen);
-            atomic_store(&caller_sleeping, 0);
-        }
-        relax();
-    }
-    /* Closed: a helper still holding this generation's counter value from before (descheduled
-       between reading it and claiming) now fails its claim, even after the next call has
-       rewritten `job`, and cannot count a chunk into that call's `finished`. */
-    atomic_store(&ticket, ((uint64_t)gen << 32) | 0xFFFFFFFFu);
-    free(w);
-    pthread_mutex_unlock(&pool_lock);
-    return 0;
+    return run(gemm_chunk, &job, chunks, bytes, threads);
 }
-
-/* How long an idle helper waits for the next call, yielding its core, before it sleeps (ns; 0:
-   sleep at once). */
-void tidal_block_gemm_spin(long ns) { atomic_store(&spin_ns, ns < 0 ? 0 : ns); }
-
-#else
-int tidal_block_gemm(const float *x, int64_t M, int64_t K, int kind, const uint8_t *qs, const float *scale,
-                     const float *offset, int64_t N, float *y, int threads) {
-    (void)threads;
-    return bad_args(M, K, kind, N) ? 1 : gemm_one(x, M, K, kind, qs, scale, offset, N, y);
-}
-void tidal_block_gemm_spin(long ns) { (void)ns; }
-#endif
-
 
 /* The first row whose widened blocks differ from w [N, K] in value, or -1 when none does (-2: a
    bad shape or kind, -3: no memory). How a loader proves the blocks are the same weights. Value,

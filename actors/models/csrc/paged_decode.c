@@ -1,4 +1,5 @@
-/* Decode attention over a paged KV cache, read in place (no gather), float32, one thread.
+/* Decode attention over a paged KV cache, read in place (no gather), float32, on one thread or
+   shared by the kernels' pool (csrc/pool.c).
 
    Built by actors/models/cpu_attention.py (gcc -O3 -ffp-contract=fast, plus -mavx2 -mfma where
    the CPU has them) and called through ctypes, once per layer for the whole decode batch. Plain
@@ -7,11 +8,12 @@
    Layout: q and out [D, H, hd]; each cache [num_blocks, bs, kvh, hd]; block_tables [D, W] (int64,
    padded with anything: entries past a decode's length are never read); context_lens [D] (int64,
    the KV length including this step's token). Query head h*G + g (G = H / kvh) attends with KV
-   head h, as in a GQA model. Per decode: all scores (one pass over its K rows, block by block,
-   each query head of a group against its KV head's rows while the block is in cache), a two-pass
-   softmax per query head (max, then exp and sum), then one pass over its V rows; out = sum_t p_t
-   v_t with p normalised first. While a block is worked on, the next one in the table is
-   requested (__builtin_prefetch), spread over the block's query heads.
+   head h, as in a GQA model. Per decode and KV head (the unit of work a thread takes): all its
+   group's scores (one pass over its K rows, block by block, each query head of the group against
+   the KV head's rows while they are in cache), a two-pass softmax per query head (max, then exp
+   and sum), then one pass over its V rows; out = sum_t p_t v_t with p normalised first. While a
+   block is worked on, the KV head's slice of the next one in the table is requested
+   (__builtin_prefetch), spread over the group's query heads.
 
    Two forms of the loops. With AVX and a head dim of 32, 64, 96 or 128: GCC vector extensions
    with the head dim a compile-time constant, so q and the output row stay in registers across
@@ -160,72 +162,111 @@ ALWAYS_INLINE void block_values(const float *restrict p, const float *restrict v
     for (int n = 0; n < nv; n++) store8(o + 8 * n, acc[n]);
 }
 
-/* Ask for part `part` of `parts` of the first `rows` token rows of a block (`row` floats each,
-   contiguous) ahead of use: the hardware prefetcher follows a block but cannot guess the next
-   one in the table. Spread over the current block's work, the requests do not queue up at once. */
-ALWAYS_INLINE void prefetch_part(const float *base, int64_t rows, int64_t row, int64_t part, int64_t parts) {
-    const int64_t lines = (rows * row + 15) / 16, per = (lines + parts - 1) / parts;
-    const int64_t end = (part + 1) * per < lines ? (part + 1) * per : lines;
-    for (int64_t i = part * per; i < end; i++) __builtin_prefetch(base + 16 * i, 0, 3);
+/* Ask for part `part` of `parts` of one KV head's slice (`head_dim` floats at `base`, then every
+   `row` floats) of a block's first `rows` token rows, ahead of use: the hardware prefetcher
+   follows a slice but cannot guess the next block in the table. Spread over the group's query
+   heads, the requests do not queue up at once. */
+ALWAYS_INLINE void prefetch_part(const float *base, int64_t rows, int64_t row, int64_t head_dim, int64_t part,
+                                 int64_t parts) {
+    const int64_t per = (rows + parts - 1) / parts, end = (part + 1) * per < rows ? (part + 1) * per : rows;
+    for (int64_t s = part * per; s < end; s++)
+        for (int64_t d = 0; d < head_dim; d += 16) __builtin_prefetch(base + s * row + d, 0, 3);
 }
 
-/* One decode: scores[H, len] -> softmax rows -> oi[H, hd]. nv = head_dim / 8, or 0: any head dim. */
+/* One decode, one KV head h: its group's query heads' scores [G, len] -> softmax rows -> their rows
+   of oi [H, hd]. nv = head_dim / 8, or 0: any head dim. Each query head's sums are the same, in the
+   same order, whichever thread computes it and whatever else it computes. */
 ALWAYS_INLINE void attend(const float *restrict qi, const float *restrict k_cache, const float *restrict v_cache,
                           const int64_t *restrict table, int64_t len, float *restrict oi, float *restrict scores,
                           int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                          const int nv) {
+                          int64_t h, const int nv) {
     const int64_t group = heads / kv_heads;
     const int64_t row = kv_heads * head_dim;      /* floats per token in a cache block */
     const int64_t block = block_size * row;       /* floats per block */
+    const int64_t off = h * head_dim;             /* this KV head's slice of a token row */
 #define PF_ROWS(left) ((left) < block_size ? (left) : block_size)
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const float *kb = k_cache + table[t0 / block_size] * block;
+        const float *kb = k_cache + table[t0 / block_size] * block + off;
         const int64_t rows = len - t0 < block_size ? len - t0 : block_size;
         const int64_t next = t0 + block_size;  /* the next K block, or the first V block after the last */
-        const float *ahead = next < len ? k_cache + table[next / block_size] * block : v_cache + table[0] * block;
+        const float *ahead = (next < len ? k_cache + table[next / block_size] * block : v_cache + table[0] * block) + off;
         const int64_t ahead_rows = next < len ? PF_ROWS(len - next) : PF_ROWS(len);
-        for (int64_t h = 0; h < kv_heads; h++)
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t qh = h * group + g;
-                prefetch_part(ahead, ahead_rows, row, qh, heads);
-                if (nv) {
-                    block_scores(qi + qh * head_dim, kb + h * head_dim, row, rows, scale, scores + qh * len + t0, nv);
-                } else {
-                    for (int64_t s = 0; s < rows; s++)
-                        scores[qh * len + t0 + s] = dot(qi + qh * head_dim, kb + s * row + h * head_dim, head_dim) * scale;
-                }
+        for (int64_t g = 0; g < group; g++) {
+            const float *q = qi + (h * group + g) * head_dim;
+            prefetch_part(ahead, ahead_rows, row, head_dim, g, group);
+            if (nv) {
+                block_scores(q, kb, row, rows, scale, scores + g * len + t0, nv);
+            } else {
+                for (int64_t s = 0; s < rows; s++) scores[g * len + t0 + s] = dot(q, kb + s * row, head_dim) * scale;
             }
+        }
     }
-    for (int64_t qh = 0; qh < heads; qh++) softmax(scores + qh * len, len);
-    if (!nv) memset(oi, 0, sizeof(float) * (size_t)(heads * head_dim));
+    for (int64_t g = 0; g < group; g++) softmax(scores + g * len, len);
+    float *o = oi + h * group * head_dim;
+    if (!nv) memset(o, 0, sizeof(float) * (size_t)(group * head_dim));
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const float *vb = v_cache + table[t0 / block_size] * block;
+        const float *vb = v_cache + table[t0 / block_size] * block + off;
         const int64_t rows = len - t0 < block_size ? len - t0 : block_size;
         const int64_t next = t0 + block_size;  /* the next V block */
-        for (int64_t h = 0; h < kv_heads; h++)
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t qh = h * group + g;
-                if (next < len)
-                    prefetch_part(v_cache + table[next / block_size] * block, PF_ROWS(len - next), row, qh, heads);
-                if (nv) {
-                    block_values(scores + qh * len + t0, vb + h * head_dim, row, rows, oi + qh * head_dim, t0 == 0, nv);
-                } else {
-                    for (int64_t s = 0; s < rows; s++)
-                        axpy(oi + qh * head_dim, scores[qh * len + t0 + s], vb + s * row + h * head_dim, head_dim);
-                }
+        for (int64_t g = 0; g < group; g++) {
+            if (next < len)
+                prefetch_part(v_cache + table[next / block_size] * block + off, PF_ROWS(len - next), row, head_dim,
+                              g, group);
+            if (nv) {
+                block_values(scores + g * len + t0, vb, row, rows, o + g * head_dim, t0 == 0, nv);
+            } else {
+                for (int64_t s = 0; s < rows; s++)
+                    axpy(o + g * head_dim, scores[g * len + t0 + s], vb + s * row, head_dim);
             }
+        }
     }
 }
 
-#define ATTEND(NV) attend(q + i * heads * head_dim, k_cache, v_cache, block_tables + i * width, context_lens[i], \
-                          out + i * heads * head_dim, scores, heads, kv_heads, head_dim, block_size, scale, NV)
+/* ---- Threads: the pool of csrc/pool.c (its `tidal_pool_run`, whose address the caller passes).
+   A chunk is one decode's one KV head, so every output row is computed by one thread. */
 
-/* Returns 0, or: 1 a length outside [1, W * bs], 2 a block id outside [0, num_blocks), 3 out of memory. */
+typedef void (*pool_task)(void *ctx, int64_t chunk, void *scratch);
+typedef int (*pool_runner)(pool_task task, void *ctx, int64_t chunks, int64_t scratch_bytes, int threads);
+
+#define POOL_MIN_MACS 65536  /* smaller calls are not worth waking a helper */
+
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    const int64_t *block_tables, *context_lens;
+    float *out;
+    int64_t heads, kv_heads, head_dim, block_size, width;
+    float scale;
+} decode_job;
+
+#define ATTEND(NV) attend(j->q + i * j->heads * j->head_dim, j->k_cache, j->v_cache, j->block_tables + i * j->width, \
+                          j->context_lens[i], j->out + i * j->heads * j->head_dim, scores, j->heads, j->kv_heads, \
+                          j->head_dim, j->block_size, j->scale, h, NV)
+
+static void decode_chunk(void *ctx, int64_t chunk, void *scratch) {
+    const decode_job *j = ctx;
+    const int64_t i = chunk / j->kv_heads, h = chunk % j->kv_heads;
+    float *scores = scratch;  /* [G, len] */
+#if defined(__AVX__)
+    switch (j->head_dim) {  /* 8-wide vectors are one or two registers: the register-blocked loops */
+        case 64: ATTEND(8); break;
+        case 128: ATTEND(16); break;
+        case 32: ATTEND(4); break;
+        case 96: ATTEND(12); break;
+        default: ATTEND(0); break;
+    }
+#else
+    ATTEND(0);  /* no AVX: the plain loops, which gcc vectorizes for the target (8-wide shuffles lower poorly to SSE2) */
+#endif
+}
+
+/* Returns 0, or: 1 a length outside [1, W * bs], 2 a block id outside [0, num_blocks), 3 out of
+   memory. `run`: csrc/pool.c's tidal_pool_run, shared over `threads` threads (NULL: this thread). */
 int tidal_paged_decode(const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
                        const int64_t *restrict block_tables, const int64_t *restrict context_lens,
                        float *restrict out, int64_t num_decodes, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                       int64_t block_size, int64_t width, int64_t num_blocks, float scale) {
-    int64_t max_len = 0;
+                       int64_t block_size, int64_t width, int64_t num_blocks, float scale, int threads,
+                       pool_runner run) {
+    int64_t max_len = 0, total = 0;
     for (int64_t i = 0; i < num_decodes; i++) {
         const int64_t len = context_lens[i];
         if (len < 1 || len > width * block_size) return 1;
@@ -233,22 +274,17 @@ int tidal_paged_decode(const float *restrict q, const float *restrict k_cache, c
         for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++)
             if (table[b] < 0 || table[b] >= num_blocks) return 2;
         if (len > max_len) max_len = len;
+        total += len;
     }
-    float *scores = malloc(sizeof(float) * (size_t)(heads * max_len));  /* [H, len] of one decode */
+    if (num_decodes == 0) return 0;
+    decode_job job = {q, k_cache, v_cache, block_tables, context_lens, out, heads, kv_heads, head_dim, block_size,
+                      width, scale};
+    const int64_t chunks = num_decodes * kv_heads, bytes = (int64_t)sizeof(float) * (heads / kv_heads) * max_len;
+    if (run != NULL && threads > 1 && 2 * total * heads * head_dim >= POOL_MIN_MACS)
+        return run(decode_chunk, &job, chunks, bytes, threads) ? 3 : 0;
+    float *scores = malloc((size_t)bytes);
     if (!scores) return 3;
-    for (int64_t i = 0; i < num_decodes; i++) {
-#if defined(__AVX__)
-        switch (head_dim) {  /* 8-wide vectors are one or two registers: the register-blocked loops */
-            case 64: ATTEND(8); break;
-            case 128: ATTEND(16); break;
-            case 32: ATTEND(4); break;
-            case 96: ATTEND(12); break;
-            default: ATTEND(0); break;
-        }
-#else
-        ATTEND(0);  /* no AVX: the plain loops, which gcc vectorizes for the target (8-wide shuffles lower poorly to SSE2) */
-#endif
-    }
+    for (int64_t c = 0; c < chunks; c++) decode_chunk(&job, c, scores);
     free(scores);
     return 0;
 }
