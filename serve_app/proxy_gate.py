@@ -62,11 +62,6 @@ UNIT_DEPLOYMENT = "ServingUnit"
 INGRESS_DEPLOYMENT = "Ingress"
 
 
-PROXY_GATE_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy_gate:middlewares"}
-"""The environment that installs this gate (Serve's proxy reads it when it starts): what `make serve`
-sets, and what the test and benchmark clusters set."""
-
-
 def middlewares() -> list[Middleware]:
     """What Serve's proxy adds in front of its routing (see the module docstring)."""
     return [Middleware(ProxyGateMiddleware)]

@@ -25,13 +25,13 @@ import httpx
 import pytest
 import yaml
 
-from serve_app.proxy_gate import PROXY_GATE_ENV
+from serve_app.cluster_env import CLUSTER_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-for key, value in PROXY_GATE_ENV.items():  # front-end admission in Serve's proxy, read at its start
+for key, value in CLUSTER_ENV.items():  # the proxy gate, gRPC data plane: read by Serve's processes at their start
     os.environ.setdefault(key, value)
 
 

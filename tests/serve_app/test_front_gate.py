@@ -17,7 +17,8 @@ import pytest
 
 from serve_app.engine_loop import EngineLoop
 from serve_app.front_gate import FrontGate
-from serve_app.ingress import HandleEngineClient, build_app
+from serve_app.handle_client import HandleEngineClient
+from serve_app.ingress import build_app
 from serve_app.openai.errors import OpenAIError
 from serve_app.openai.server import OpenAIServer
 from serve_app.unit_api import GenerateChunk, GenerateRequest

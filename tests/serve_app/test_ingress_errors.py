@@ -14,7 +14,8 @@ import httpx
 import pytest
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from serve_app.ingress import HandleEngineClient, build_app
+from serve_app.handle_client import HandleEngineClient
+from serve_app.ingress import build_app
 from serve_app.openai.server import OpenAIServer
 from serve_app.unit_api import EngineError, GenerateChunk, GenerateRequest, ModelInfo
 from tests.serve_app.openai_fakes import CHAT, MODEL, FakeEngine, assert_openai_error, client, make_app, raw_post
@@ -271,6 +272,44 @@ async def test_after_a_unit_fails_new_requests_get_503_at_once_until_a_probe_say
     assert not client.recovering and handle.health_calls == 4
     handle.response = FakeResponse([GenerateChunk([7], "stop")])
     assert (await drain(client))[-1].finish_reason == "stop" and handle.generate_calls == 2
+
+
+class SilentResponse(FakeResponse):
+    """A call Serve's router still holds (routed again after its replica died): no chunk comes."""
+
+    async def __aiter__(self) -> AsyncIterator[GenerateChunk]:
+        await asyncio.Event().wait()
+        yield GenerateChunk([1])
+
+
+class QueueHandle(FakeHandle):
+    """Each generate call gets the next response of a list."""
+
+    def __init__(self, responses: list[FakeResponse]) -> None:
+        super().__init__(responses[0])
+        self.responses = responses
+
+    def remote(self, *args: Any) -> Any:
+        if args:
+            return self.responses.pop(0)
+        return super().remote()
+
+
+async def test_requests_awaiting_their_first_chunk_get_503_when_a_unit_fails() -> None:
+    """A request already on its way when a unit fails, with no chunk yet, is answered 503 +
+    Retry-After as soon as the failure is seen, and its call cancelled: it does not wait in
+    Serve's router for the rebuilt unit."""
+    silent = SilentResponse([])
+    failed = FakeResponse([GenerateChunk(error=EngineError(503, "server_error", "engine_failed", "x", 5.0))])
+    client = HandleEngineClient(QueueHandle([silent, failed]), INFO)  # type: ignore[arg-type]
+    waiting = asyncio.ensure_future(drain(client))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # no failure seen yet: it waits, as any request may
+    await drain(client)  # another stream's unit fails
+    chunks = await asyncio.wait_for(waiting, 2.0)
+    assert len(chunks) == 1 and chunks[0].error is not None
+    assert (chunks[0].error.status, chunks[0].error.code, chunks[0].error.retry_after_s) == (503, "engine_failed", 5.0)
+    assert silent.cancelled
 
 
 async def test_other_errors_do_not_stop_traffic() -> None:
