@@ -46,7 +46,7 @@ def default_torch_threads(cores: int, tp: int) -> int:
 
     A box of more than two cores leaves one to the router, Ray and the ingress. A 2-core box gives
     the model both: the Serve processes need about a third of a core at the dev server's loads, and
-    a second thread makes prefill 1.8x faster and a decode step of up to 16 rows 1.3-1.4x faster
+    a second thread makes prefill 1.8x faster and a decode step of 4-16 rows 1.4-1.6x faster
     (the CPU kernels' pool), so `make serve` serves more tokens/s (12-23% before the pool); with a
     busy neighbour on one core it is within 4% of one thread (benchmarks/RESULTS.md, "Both cores of a 2-core box")."""
     spare = 1 if cores > 2 else 0

@@ -189,7 +189,8 @@ ALWAYS_INLINE void attend(const float *restrict qi, const float *restrict k_cach
         const float *kb = k_cache + table[t0 / block_size] * block + off;
         const int64_t rows = len - t0 < block_size ? len - t0 : block_size;
         const int64_t next = t0 + block_size;  /* the next K block, or the first V block after the last */
-        const float *ahead = (next < len ? k_cache + table[next / block_size] * block : v_cache + table[0] * block) + off;
+        const float *ahead =
+            (next < len ? k_cache + table[next / block_size] * block : v_cache + table[0] * block) + off;
         const int64_t ahead_rows = next < len ? PF_ROWS(len - next) : PF_ROWS(len);
         for (int64_t g = 0; g < group; g++) {
             const float *q = qi + (h * group + g) * head_dim;
