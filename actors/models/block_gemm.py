@@ -24,8 +24,8 @@ Threads: a call uses as many as torch does (`torch.get_num_threads()`, the worke
 in chunks claimed from one counter by the caller and its helpers; the caller never waits for a
 helper that has not begun, so a helper the OS has descheduled (the Serve processes share a
 2-core box) costs the call nothing but its share of the speed-up. Every output is the same bits
-on any number of threads. A decode step on two threads takes 0.71-0.77x its one-thread time (benchmarks/
-cpu_threads.py).
+on any number of threads. A decode step on two threads (these linears and the decode attention on
+the pool) takes 0.64-0.73x its one-thread time at 4-16 rows (benchmarks/cpu_threads.py).
 
 Exactness is checked, not assumed: `attach_blocks` finds each linear's rows among the GGUF's by
 content (so fused projections and the converter's row permutations need no name table), and

@@ -151,6 +151,8 @@ static int bad_args(int64_t M, int64_t K, int kind, int64_t N) {
    A chunk is a run of W rows (a multiple of 3), so every y value is computed by one thread, in
    the same order as on one thread. */
 
+/* csrc/pool.c's signatures, written out here: a kernel's build is named by its own file alone
+   (actors/models/ckernel.py), so the kernels share no header. */
 typedef void (*pool_task)(void *ctx, int64_t chunk, void *scratch);
 typedef int (*pool_runner)(pool_task task, void *ctx, int64_t chunks, int64_t scratch_bytes, int threads);
 
@@ -187,10 +189,10 @@ int tidal_block_gemm(const float *x, int64_t M, int64_t K, int kind, const uint8
     }
     gemm_job job = {x, scale, offset, qs, y, M, K, N, 3 * per, kind};
     int64_t chunks = (triples + per - 1) / per, bytes = 3 * K * (int64_t)sizeof(float);
-    if (threads == 1) {
+    if (threads == 1) {  /* one chunk: every row */
         float *w = aligned_alloc(64, (size_t)bytes);
         if (w == NULL) return 3;
-        gemm_rows(x, M, K, kind, qs, scale, offset, N, y, 0, N, w);
+        gemm_chunk(&job, 0, w);
         free(w);
         return 0;
     }

@@ -226,6 +226,8 @@ ALWAYS_INLINE void attend(const float *restrict qi, const float *restrict k_cach
 /* ---- Threads: the pool of csrc/pool.c (its `tidal_pool_run`, whose address the caller passes).
    A chunk is one decode's one KV head, so every output row is computed by one thread. */
 
+/* csrc/pool.c's signatures, written out here: a kernel's build is named by its own file alone
+   (actors/models/ckernel.py), so the kernels share no header. */
 typedef void (*pool_task)(void *ctx, int64_t chunk, void *scratch);
 typedef int (*pool_runner)(pool_task task, void *ctx, int64_t chunks, int64_t scratch_bytes, int threads);
 
