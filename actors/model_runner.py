@@ -53,7 +53,7 @@ class ModelRunner:
                  num_blocks: int, sampler_seed: int | None = None, graphs: CudaGraphRunner | None = None,
                  attention_backend: str = "portable", vectorized_tables: bool | None = None,
                  clock: StepClock | None = None, cpu_attention_kernel: bool = True,
-                 cpu_fused_ops: bool = True) -> None:
+                 cpu_fused_ops: bool = True, cpu_decode_layers: bool = True) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -74,6 +74,9 @@ class ModelRunner:
                        and kv_caches[0][0].dtype == torch.float32)
         self.cpu_decode = cpu_float32 and cpu_attention_kernel and cpu_attention.available()
         self.cpu_fused = cpu_float32 and cpu_fused_ops and cpu_fused.available()
+        # With both, a decodes-only step of a model on GGUF blocks runs its layers in one C call
+        # (models/cpu_decode_layers.py: the same kernels, without the Python between them).
+        self.cpu_layers = self.cpu_decode and self.cpu_fused and cpu_decode_layers
         # One gathered tensor of block tables (default on GPU; CPU keeps the per-request lists).
         if vectorized_tables is None:
             vectorized_tables = self.device.type == "cuda"
@@ -130,6 +133,7 @@ class ModelRunner:
         meta.backend = self.attention_backend
         meta.cpu_decode = self.cpu_decode
         meta.cpu_fused = self.cpu_fused
+        meta.cpu_layers = self.cpu_layers
         if meta.backend == "triton" and meta.prefills:
             attn = self.model.layers[0].self_attn
             meta.triton_prefill = build_prefill(meta.prefills, self.scratch_block,

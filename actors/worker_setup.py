@@ -132,7 +132,8 @@ class WorkerBuilder:
                                      self.spec.block_size, num_blocks, backend, self.spec.cuda_graph_contexts)
             graphs.capture()  # pragma: no cover
         return ModelRunner(self.model, caches, self.spec.block_size, num_blocks, self.spec.seed, graphs, backend,
-                           cpu_attention_kernel=self.spec.cpu_attention, cpu_fused_ops=self.spec.cpu_fused_ops)
+                           cpu_attention_kernel=self.spec.cpu_attention, cpu_fused_ops=self.spec.cpu_fused_ops,
+                           cpu_decode_layers=self.spec.cpu_decode_layers)
 
 
 def with_buckets(info: EngineInfo, runner: ModelRunner) -> EngineInfo:

@@ -45,6 +45,8 @@ class EngineArgs(_Strict):
                                  "16 rows read the file's quantized blocks (the same weights, a C kernel)")
     cpu_fused_ops: bool = Field(True, description="CPU float32: RMSNorm (with the residual add), SiLU x up and "
                                 "RoPE in one C call each instead of PyTorch's ~25 ops a layer")
+    cpu_decode_layers: bool = Field(True, description="CPU float32 on GGUF blocks: a decode step's layers in one "
+                                    "C call (the same kernels and bits, without the Python between them)")
     torch_threads: int | None = Field(None, ge=1, description="CPU: PyTorch threads per TP worker (default: of the "
                                       "CPUs the worker may use, both of two, else all less one, split over the "
                                       "TP ranks, at least 1)")

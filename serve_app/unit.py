@@ -70,6 +70,7 @@ def build_replica_group(engine: EngineArgs, max_num_batched_tokens: int, buckets
                       enforce_eager=engine.enforce_eager, max_batch_size=max_batch_size,
                       cpu_gemm=engine.cpu_gemm, cpu_attention=engine.cpu_attention,
                       cpu_block_gemm=engine.cpu_block_gemm, cpu_fused_ops=engine.cpu_fused_ops,
+                      cpu_decode_layers=engine.cpu_decode_layers,
                       torch_threads=engine.torch_threads)
     group = ReplicaGroup(spec, step_timeout_s=engine.step_timeout_s, compiled_graph=engine.compiled_graph,
                          name_prefix=name_prefix, step_socket=engine.step_socket)

@@ -62,6 +62,7 @@ class AttentionMetadata:
     triton_prefill: TritonPrefill | None = None  # the triton backend's description of the chunks
     cpu_decode: bool = False  # portable backend: decodes through the in-place CPU kernel (cpu_attention.py)
     cpu_fused: bool = False  # portable backend on CPU: norms, SiLU and RoPE through the C kernels (cpu_fused.py)
+    cpu_layers: bool = False  # with both: a decodes-only step's layers in one C call (cpu_decode_layers.py)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.models import cpu_fused, fused_ops
+from actors.models import cpu_decode_layers, cpu_fused, fused_ops
 from actors.models.attention import AttentionMetadata, attend_in_cache, paged_attention
 from actors.models.config import ModelConfig
 from actors.models.parallel import (
@@ -158,6 +158,9 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] of the flat batch (final norm applied)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
+        layers = cpu_decode_layers.for_step(self, meta, kv_caches, x.shape[0]) if meta.cpu_layers else None
+        if layers is not None:  # the same kernels as below, called from C (models/cpu_decode_layers.py)
+            return layers.run(x, cos, sin, meta)
         residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv, meta)
