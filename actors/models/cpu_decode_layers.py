@@ -102,9 +102,8 @@ class DecodeLayers:
         self.layers = layers
         self.model = _Model(ops["gemm"], ops["attn"], ops["rms"], ops["silu"], ops["rope"], ops["run"] or 0,
                             len(model.layers), self.hidden, attn0.shard.q_count, attn0.shard.kv_count,
-                            attn0.head_dim, mlp.local, k0.shape[1], k0.shape[0], model.norm.eps, attn0.scale,
-                            model.norm.weight.data_ptr())
-        self.num_blocks = k0.shape[0]
+                            attn0.head_dim, model.layers[0].mlp.local, k0.shape[1], k0.shape[0], model.norm.eps,
+                            attn0.scale, model.norm.weight.data_ptr())
         self._scratch: torch.Tensor | None = None
 
     def _work(self, rows: int) -> torch.Tensor:
@@ -127,7 +126,7 @@ class DecodeLayers:
                                           tables.data_ptr(), tables.shape[1], lens.data_ptr(),
                                           torch.get_num_threads(), self._work(t).data_ptr())
         if rc:
-            op, layer = divmod(rc - 10, 100) if rc >= 10 else (0, -1)
+            layer, op = divmod(rc - 10, 16) if rc >= 10 else (-1, 0)
             where = f"{_OPS.get(op, 'the final norm')} of layer {layer}" if rc >= 10 else "sizes or the final norm"
             raise ValueError(f"decode layers: the kernels refused ({where}; code {rc})")
         return out

@@ -74,7 +74,7 @@ int64_t tidal_decode_layers_scratch(const model_t *m, int64_t rows) {
    cos / sin: rows of head_dim floats at stride `scs`; slots [T]: each token's KV slot;
    block_tables [T, width] and context_lens [T] as csrc/paged_decode.c reads them. `work`: at least
    tidal_decode_layers_scratch(m, T) floats. Returns 0; 1 for bad sizes or a failed final norm; or,
-   when an op refuses, 10 + 100 * op + the layer's index (op: 1 norm, 2 QKV, 3 rope, 4 a slot
+   when an op refuses, 10 + op + 16 x the layer's index (op: 1 norm, 2 QKV, 3 rope, 4 a slot
    outside the cache, 5 attention, 6 O, 7 norm, 8 gate / up, 9 SiLU, 10 down). */
 int tidal_decode_layers(const model_t *m, const layer_t *layers, const float *x, float *out, int64_t T,
                         const float *cos_t, const float *sin_t, int64_t scs, const int64_t *slots,
@@ -87,7 +87,7 @@ int tidal_decode_layers(const model_t *m, const layer_t *layers, const float *x,
     float *qkv = mlp + T * H, *q = qkv + T * qkv_n, *k = q + T * q_size, *att = k + T * kv_size;
     float *o = att + T * q_size, *gu = o + T * H, *act = gu + T * 2 * m->inter;
     const float *cur = x, *residual = NULL;
-#define CHECK(op, call) do { if (call) return 10 + 100 * (op) + (int)l; } while (0)
+#define CHECK(op, call) do { if (call) return 10 + (op) + 16 * (int)l; } while (0)
     for (int64_t l = 0; l < m->num_layers; l++) {
         const layer_t *L = layers + l;
         float *res_next = residual == res_a ? res_b : res_a;
