@@ -1,7 +1,8 @@
 """Small C kernels for the CPU engine: built once by gcc, cached by source and flags, loaded by ctypes.
 
 Owns: `CKernel` (one source file under csrc/: its library's path, `build()`, `load()`, which
-builds first when missing, `available()`) and `cpu_flags()`.
+builds first when missing, `available()`, `address(name)` of a function for kernels that call it
+through a pointer) and `cpu_flags()`.
 
 Build: gcc `-O3 -ffp-contract=fast` (with `-mavx2 -mfma` when /proc/cpuinfo lists both, a
 portable build otherwise), no torch headers, into `$TIDAL_CACHE_DIR/kernels/` (default
@@ -123,6 +124,12 @@ class CKernel:
 
     def available(self) -> bool:
         return self.load() is not None
+
+    def address(self, name: str) -> int | None:
+        """The address of the library's function `name` (for a kernel that calls it through a
+        pointer), or None without the library."""
+        lib = self.load()
+        return None if lib is None else ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
     def main(self) -> int:
         """Build (or find) the library and print its path and the seconds it took."""

@@ -64,10 +64,6 @@ _OPS = {1: "input norm", 2: "QKV projection", 3: "rotary", 4: "KV slot", 5: "att
         7: "post-attention norm", 8: "gate / up projection", 9: "SiLU", 10: "down projection"}
 
 
-def _address(lib: ctypes.CDLL | None, name: str) -> int | None:
-    return None if lib is None else ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-
-
 def _blocks(linear: nn.Module) -> block_gemm.BlockWeights | None:
     cpu = getattr(linear, "cpu_layouts", None)
     if cpu is None or cpu.blocks is None or cpu.bias is not None or getattr(linear, "bias", None) is not None:
@@ -141,10 +137,10 @@ def _key(model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tupl
 
 def _ops() -> dict[str, int] | None:
     """The addresses of the kernels' functions, or None when one of them cannot be had."""
-    gemm, attn, fused = block_gemm.KERNEL.load(), cpu_attention.load(), cpu_fused.load()
-    ops = {"gemm": _address(gemm, "tidal_block_gemm"), "attn": _address(attn, "tidal_paged_decode"),
-           "rms": _address(fused, "tidal_rms_norm"), "silu": _address(fused, "tidal_silu_mul"),
-           "rope": _address(fused, "tidal_rope_qk")}
+    fused = cpu_fused.KERNEL
+    ops = {"gemm": block_gemm.KERNEL.address("tidal_block_gemm"),
+           "attn": cpu_attention.KERNEL.address("tidal_paged_decode"), "rms": fused.address("tidal_rms_norm"),
+           "silu": fused.address("tidal_silu_mul"), "rope": fused.address("tidal_rope_qk")}
     if any(v is None for v in ops.values()):
         return None
     return {**ops, "run": cpu_pool.runner() or 0}  # type: ignore[dict-item]

@@ -40,8 +40,7 @@ _RUNNER: list[int | None] = []
 def runner() -> int | None:
     """The address of `tidal_pool_run` in this process's pool library, or None without one."""
     if not _RUNNER:
-        lib = KERNEL.load()
-        _RUNNER.append(None if lib is None else ctypes.cast(lib.tidal_pool_run, ctypes.c_void_p).value)
+        _RUNNER.append(KERNEL.address("tidal_pool_run"))
     return _RUNNER[0]
 
 
