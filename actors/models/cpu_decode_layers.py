@@ -6,10 +6,11 @@ None: the layer-by-layer path).
 
 Why: with the CPU kernels on (the block GEMM, the decode attention, the fused small ops), a decode
 step's own work is all C, but the layer-by-layer forward reaches it through ~10 Python calls a
-layer (module calls, tensor allocations, ctypes marshalling): 4 of a 46 ms step at 16 rows on two
-threads, 2.6 of 13 at one row (SmolLM2's 30 layers), while the pool's helper waits and the
-second core idles. The kernel makes the same calls with the same arguments in the same order, so
-the hidden states are the same float32 bits (tests/actors/test_cpu_decode_layers.py).
+layer (module calls, tensor allocations, ctypes marshalling), a share of the step that grows as
+the batch shrinks, while the pool's helper waits and the second core idles (what the switch
+saves: benchmarks/RESULTS.md, "A decode step's layers in one C call"). The kernel makes the same
+calls with the same arguments in the same order, so the hidden states are the same float32 bits
+(tests/actors/test_cpu_decode_layers.py).
 
 When: `engine.cpu_decode_layers` (on by default) and every condition of the layer-by-layer path
 that would have run these kernels: the portable backend on CPU in float32 with the decode

@@ -7,8 +7,8 @@
    from its own library, through the pointers the caller hands over (csrc/block_gemm.c,
    csrc/paged_decode.c, csrc/fused_cpu.c, csrc/pool.c), with the same arguments in the same order.
    So the hidden states are the same float32 bits as actors/models/llama.py's forward with the CPU
-   kernels on; what goes is the Python between the ops (about a tenth of a 16-row step on two
-   threads: the module calls, the tensor allocations, the ctypes marshalling of ~10 calls a layer).
+   kernels on; what goes is the Python between the ops (the module calls, the tensor allocations,
+   the ctypes marshalling of ~10 calls a layer).
 
    Per layer, as LlamaDecoderLayer.forward with `meta.cpu_fused`:
        h, res   = rms_norm(x, in_norm, residual)          (the first layer: no residual; res = x)
