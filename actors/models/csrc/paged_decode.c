@@ -11,9 +11,16 @@
    head h, as in a GQA model. Per decode and KV head (the unit of work a thread takes): all its
    group's scores (one pass over its K rows, block by block, each query head of the group against
    the KV head's rows while they are in cache), a two-pass softmax per query head (max, then exp
-   and sum), then one pass over its V rows; out = sum_t p_t v_t with p normalised first. While a
-   block is worked on, the KV head's slice of the next one in the table is requested
-   (__builtin_prefetch), spread over the group's query heads.
+   and sum), then one pass over its V rows; out = sum_t p_t v_t with p normalised first.
+
+   Prefetch. A KV head's slice of a block is a few KB somewhere in the cache, so the hardware
+   prefetcher, which follows a run of lines, starts afresh at every block and the pass waits on
+   memory. While a block is worked on, the KV head's slice of the block PF_AHEAD places further
+   along K then V is requested (__builtin_prefetch, spread over the group's query heads), into L2
+   (PF_LOCALITY 2: prefetcht1 on x86) rather than L1, whose few outstanding misses a block's
+   worth of requests would fill and stall on. Both are compile-time constants (-D to override;
+   benchmarks/decode_attention_memory.py builds the kernel with the previous next-block-into-L1
+   requests beside this one). Requests change no result.
 
    Two forms of the loops. With AVX and a head dim of 32, 64, 96 or 128: GCC vector extensions
    with the head dim a compile-time constant, so q and the output row stay in registers across
@@ -27,6 +34,13 @@
 #include <string.h>
 
 #define LANES 8
+
+#ifndef PF_AHEAD
+#define PF_AHEAD 2    /* blocks between the one worked on and the one requested */
+#endif
+#ifndef PF_LOCALITY
+#define PF_LOCALITY 2 /* __builtin_prefetch's locality: 2 = into L2 */
+#endif
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float acc[LANES] = {0};
@@ -170,7 +184,7 @@ ALWAYS_INLINE void prefetch_part(const float *base, int64_t rows, int64_t row, i
                                  int64_t parts) {
     const int64_t per = (rows + parts - 1) / parts, end = (part + 1) * per < rows ? (part + 1) * per : rows;
     for (int64_t s = part * per; s < end; s++)
-        for (int64_t d = 0; d < head_dim; d += 16) __builtin_prefetch(base + s * row + d, 0, 3);
+        for (int64_t d = 0; d < head_dim; d += 16) __builtin_prefetch(base + s * row + d, 0, PF_LOCALITY);
 }
 
 /* One decode, one KV head h: its group's query heads' scores [G, len] -> softmax rows -> their rows
@@ -184,17 +198,20 @@ ALWAYS_INLINE void attend(const float *restrict qi, const float *restrict k_cach
     const int64_t row = kv_heads * head_dim;      /* floats per token in a cache block */
     const int64_t block = block_size * row;       /* floats per block */
     const int64_t off = h * head_dim;             /* this KV head's slice of a token row */
-#define PF_ROWS(left) ((left) < block_size ? (left) : block_size)
+    const int64_t blocks = (len + block_size - 1) / block_size;
+    /* Block j of the sequence the two passes read, K's blocks then V's (j < 2 * blocks): its
+       KV head slice and its rows. */
+#define AHEAD_BASE(j) (((j) < blocks ? k_cache : v_cache) + table[(j) % blocks] * block + off)
+#define AHEAD_ROWS(j) ((j) % blocks < blocks - 1 ? block_size : len - (blocks - 1) * block_size)
+    for (int64_t j = 1; j < PF_AHEAD && j < 2 * blocks; j++)  /* the first blocks after the one read now */
+        prefetch_part(AHEAD_BASE(j), AHEAD_ROWS(j), row, head_dim, 0, 1);
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const float *kb = k_cache + table[t0 / block_size] * block + off;
         const int64_t rows = len - t0 < block_size ? len - t0 : block_size;
-        const int64_t next = t0 + block_size;  /* the next K block, or the first V block after the last */
-        const float *ahead =
-            (next < len ? k_cache + table[next / block_size] * block : v_cache + table[0] * block) + off;
-        const int64_t ahead_rows = next < len ? PF_ROWS(len - next) : PF_ROWS(len);
+        const int64_t ahead = t0 / block_size + PF_AHEAD;  /* a K block, or past the last one a V block */
         for (int64_t g = 0; g < group; g++) {
             const float *q = qi + (h * group + g) * head_dim;
-            prefetch_part(ahead, ahead_rows, row, head_dim, g, group);
+            if (ahead < 2 * blocks) prefetch_part(AHEAD_BASE(ahead), AHEAD_ROWS(ahead), row, head_dim, g, group);
             if (nv) {
                 block_scores(q, kb, row, rows, scale, scores + g * len + t0, nv);
             } else {
@@ -208,11 +225,9 @@ ALWAYS_INLINE void attend(const float *restrict qi, const float *restrict k_cach
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const float *vb = v_cache + table[t0 / block_size] * block + off;
         const int64_t rows = len - t0 < block_size ? len - t0 : block_size;
-        const int64_t next = t0 + block_size;  /* the next V block */
+        const int64_t ahead = blocks + t0 / block_size + PF_AHEAD;  /* a V block */
         for (int64_t g = 0; g < group; g++) {
-            if (next < len)
-                prefetch_part(v_cache + table[next / block_size] * block + off, PF_ROWS(len - next), row, head_dim,
-                              g, group);
+            if (ahead < 2 * blocks) prefetch_part(AHEAD_BASE(ahead), AHEAD_ROWS(ahead), row, head_dim, g, group);
             if (nv) {
                 block_values(scores + g * len + t0, vb, row, rows, o + g * head_dim, t0 == 0, nv);
             } else {
@@ -221,6 +236,8 @@ ALWAYS_INLINE void attend(const float *restrict qi, const float *restrict k_cach
             }
         }
     }
+#undef AHEAD_BASE
+#undef AHEAD_ROWS
 }
 
 /* ---- Threads: the pool of csrc/pool.c (its `tidal_pool_run`, whose address the caller passes).
