@@ -120,10 +120,10 @@ def without_compiler(kernel: Any, cache_dir: Path, monkeypatch: Any) -> None:
     """As on a machine without gcc: `kernel` (a CKernel) has no library yet and none can be built.
     Every other kernel that a model built in the test tries to load (and fails to build here) is
     as it was again after the test, so later tests in the process still find theirs."""
-    from actors.models import block_gemm, cpu_attention, cpu_decode_layers, cpu_fused, cpu_pool
+    from actors.models import cpu_decode_layers  # noqa: F401  (imports every CPU kernel's module)
+    from actors.models.ckernel import CKernel
 
-    for other in (block_gemm.KERNEL, cpu_attention.KERNEL, cpu_decode_layers.KERNEL, cpu_fused.KERNEL,
-                  cpu_pool.KERNEL):
+    for other in CKernel.instances:
         monkeypatch.setattr(other, "_lib", other._lib)
         monkeypatch.setattr(other, "_tried", other._tried)
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(cache_dir))

@@ -2,7 +2,8 @@
 
 Owns: `CKernel` (one source file under csrc/: its library's path, `build()`, `load()`, which
 builds first when missing, `available()`, `address(name)` of a function for kernels that call it
-through a pointer) and `cpu_flags()`.
+through a pointer, read once per library; `CKernel.instances`, every one made in the process) and
+`cpu_flags()`.
 
 Build: gcc `-O3 -ffp-contract=fast` (with `-mavx2 -mfma` when /proc/cpuinfo lists both, a
 portable build otherwise), no torch headers, into `$TIDAL_CACHE_DIR/kernels/` (default
@@ -33,6 +34,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,10 @@ def cpu_flags() -> tuple[str, ...]:
 class CKernel:
     """One C source built into a shared library; `bind` declares its functions' ctypes signatures.
     `fallback` says what callers do without it (the one log line when it cannot be had);
-    `extra_flags` come after the base and CPU flags (so they win where they disagree)."""
+    `extra_flags` come after the base and CPU flags (so they win where they disagree).
+    `instances`: every kernel made in this process (what a test that changes them puts back)."""
+
+    instances: ClassVar[list[CKernel]] = []
 
     def __init__(self, source: str, bind: Callable[[ctypes.CDLL], None], fallback: str,
                  extra_flags: tuple[str, ...] = ()) -> None:
@@ -73,6 +78,8 @@ class CKernel:
         self.extra_flags = extra_flags
         self._lib: ctypes.CDLL | None = None
         self._tried = False
+        self._addresses: dict[str, tuple[ctypes.CDLL, int | None]] = {}  # name -> (the library, its address)
+        CKernel.instances.append(self)
 
     def library_path(self, flags: tuple[str, ...] | None = None) -> Path:
         flags = (cpu_flags() if flags is None else flags) + self.extra_flags
@@ -127,9 +134,15 @@ class CKernel:
 
     def address(self, name: str) -> int | None:
         """The address of the library's function `name` (for a kernel that calls it through a
-        pointer), or None without the library."""
+        pointer), or None without the library. Read once per library, so callers on a hot path
+        need no cache of their own."""
         lib = self.load()
-        return None if lib is None else ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+        if lib is None:
+            return None
+        hit = self._addresses.get(name)
+        if hit is None or hit[0] is not lib:
+            hit = self._addresses[name] = (lib, ctypes.cast(getattr(lib, name), ctypes.c_void_p).value)
+        return hit[1]
 
     def main(self) -> int:
         """Build (or find) the library and print its path and the seconds it took."""

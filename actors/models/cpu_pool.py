@@ -34,14 +34,11 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 KERNEL = CKernel("pool.c", _declare, "the CPU kernels run on one thread", extra_flags=("-pthread",))
 main = KERNEL.main
-_RUNNER: list[int | None] = []
 
 
 def runner() -> int | None:
     """The address of `tidal_pool_run` in this process's pool library, or None without one."""
-    if not _RUNNER:
-        _RUNNER.append(KERNEL.address("tidal_pool_run"))
-    return _RUNNER[0]
+    return KERNEL.address("tidal_pool_run")
 
 
 def set_spin(ns: int) -> None:
