@@ -37,7 +37,9 @@ from loadgen.traces import load_trace
 
 TRACES = ("azure-code", "azure-conv", "mooncake-conv")
 RATES = (0.3, 1.0, 3.0)
-COST_MODELS = ("a100-llama70b-tp8", "h100-llama70b-tp8")
+COST_MODELS = ("a100-llama70b-tp8", "h100-llama70b-tp8")  # the matrix's; any shipped cost model may be named
+SHIPPED_COST_MODELS = tuple(sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "calibration"
+                                                    / "costmodels").glob("*.yaml")))
 BUDGETS = (128, 256, 512, 1024, 2048, 4096)
 
 
@@ -70,17 +72,20 @@ def _window(cost_name: str, trace_name: str, rate: float, hours: float, offset_m
 
 def cell(cost_name: str, trace_name: str, rate: float, hours: float, budgets: tuple[int, ...], slo: Slo,
          policy: str = "adaptive", overrides: dict[str, str] | None = None, offset_min: float = 0.0,
-         eager: bool = True) -> dict[str, Any]:
+         eager: bool = True, shared: dict[str, str] | None = None) -> dict[str, Any]:
+    """One cell: the policy (with `shared`, then `overrides`), `eager`, and `sarathi` at each budget
+    (with `shared`: a setting of what the policies have in common, such as admission)."""
     cost, base, trace = _window(cost_name, trace_name, rate, hours, offset_min)
+    shared = shared or {}
     runs: dict[str, Any] = {}
-    runs[policy] = _row(run_policy(RunSpec(trace, base, cost, slo, overrides=overrides or {}), policy,
-                                   progress=False), slo)
+    runs[policy] = _row(run_policy(RunSpec(trace, base, cost, slo, overrides={**shared, **(overrides or {})}),
+                                   policy, progress=False), slo)
     if eager:
         runs["eager"] = _row(run_policy(RunSpec(trace, base, cost, slo), "eager", progress=False), slo)
     else:
         runs["eager"] = dict.fromkeys(("goodput_rps", "tpot_p99_ms", "ttft_p50_ms"))
     for b in budgets:
-        spec = RunSpec(trace, base, cost, slo, overrides={"max_num_batched_tokens": str(b)})
+        spec = RunSpec(trace, base, cost, slo, overrides={**shared, "max_num_batched_tokens": str(b)})
         runs[f"sarathi-{b}"] = _row(run_policy(spec, "sarathi", progress=False), slo)
     fixed = [k for k in runs if k.startswith("sarathi-")]
     best = max(fixed, key=lambda k: runs[k]["goodput_rps"] or 0.0)
@@ -130,7 +135,7 @@ def _print_against(rows: list[dict[str, Any]], slo: Slo) -> None:
     for r in rows:
         run = r["run"]
         missed = run.get("tpot_missed_output_tokens")
-        print(f"| {r['cost_model'].split('-')[0]} | {r['trace']} | {r['rate']}x | {r['offset_min']:g} | "
+        print(f"| {_gpu_label(r['cost_model'])} | {r['trace']} | {r['rate']}x | {r['offset_min']:g} | "
               f"{r['best'].split('-')[1]} | {r['ratio']} | {r['stored_ratio']} | {run['tpot_p99_ms']} | "
               f"{run['steps'].get('tpot_limited', 0)} | {run['tpot_missed']} / {run['completed']} | "
               f"{' / '.join(map(str, missed)) if missed else '-'} |")
@@ -138,6 +143,11 @@ def _print_against(rows: list[dict[str, Any]], slo: Slo) -> None:
     over = sum((r["run"]["tpot_p99_ms"] or 0.0) > slo.tpot_s * 1e3 for r in rows)
     print(f"{met} of {len(rows)} cells >= 0.98 (stored: {sum(r['stored_ratio'] >= 0.98 for r in rows)}); worst "
           f"{min(r['ratio'] for r in rows)}; TPOT p99 over the target in {over}", file=sys.stderr)
+
+
+def _gpu_label(cost_name: str) -> str:
+    """The matrix's two cost models by their GPU (as the tables always named them), any other by name."""
+    return cost_name.split("-")[0] if cost_name in COST_MODELS else cost_name
 
 
 def _ratio(run: dict[str, Any], best: dict[str, Any]) -> float:
@@ -150,10 +160,14 @@ def main() -> int:
     ap.add_argument("--hours", type=float, default=0.25)
     ap.add_argument("--trace", action="append", choices=TRACES)
     ap.add_argument("--rate", action="append", type=float)
-    ap.add_argument("--cost-model", action="append", choices=COST_MODELS)
+    ap.add_argument("--cost-model", action="append", choices=SHIPPED_COST_MODELS,
+                    help=f"repeatable; default: {', '.join(COST_MODELS)}")
     ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     ap.add_argument("--policy", default="adaptive")
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE overrides for the adaptive run")
+    ap.add_argument("--set-all", action="append", default=[],
+                    help="KEY=VALUE overrides for every run of a cell, the fixed budgets' too (what they share, "
+                         "e.g. admission)")
     ap.add_argument("--slo-ttft", type=float, default=1.0)
     ap.add_argument("--slo-tpot", type=float, default=0.1)
     ap.add_argument("--offset-min", type=float, default=0.0, help="start the windows this many minutes in")
@@ -165,6 +179,10 @@ def main() -> int:
     args = ap.parse_args()
     budgets = tuple(int(b) for b in args.budgets.split(",") if b)
     overrides = dict(p.split("=", 1) for p in args.set)
+    shared = dict(p.split("=", 1) for p in args.set_all)
+    if shared and args.against:
+        raise SystemExit("--set-all changes the fixed budgets' runs too, which --against reads from its file; "
+                         "run the whole matrix instead")
     slo = Slo(args.slo_ttft, args.slo_tpot)
     if args.against:
         rows = against(args.against, slo, args.policy, overrides, args.jobs)
@@ -181,10 +199,10 @@ def main() -> int:
         for tr in args.trace or TRACES:
             for rate in args.rate or RATES:
                 c = cell(cm, tr, rate, args.hours, budgets, slo, args.policy, overrides, args.offset_min,
-                         not args.no_eager)
+                         not args.no_eager, shared)
                 cells.append(c)
                 b, a, e = c["runs"][c["best"]], c["runs"][args.policy], c["runs"]["eager"]
-                print(f"| {cm.split('-')[0]} | {tr} | {rate}x | {c['best'].split('-')[1]} | {b['goodput_rps']} | "
+                print(f"| {_gpu_label(cm)} | {tr} | {rate}x | {c['best'].split('-')[1]} | {b['goodput_rps']} | "
                       f"{b['tpot_p99_ms']} | {a['goodput_rps']} | {a['tpot_p99_ms']} | "
                       f"{b['ttft_p50_ms']} / {a['ttft_p50_ms']} / {e['ttft_p50_ms']} | {c['ratio']} | "
                       f"{(c['best_within_tpot'] or '-').split('-')[-1]} | {c['ratio_within_tpot']} |", flush=True)
