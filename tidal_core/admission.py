@@ -15,6 +15,18 @@ Owns: `AdmissionController.check`. Rules, in order, each with its metric label:
   queued if that is slower — the queued-prefill-token cap of DESIGN.md, about target TTFT x
   prefill throughput — plus (b) waiting for a batch slot when the running batch is at its
   cap, at the measured completion rate;
+- `prompt_over_target` (with `refuse_slow_prompts_in_overload`, the default): in OVERLOAD, with
+  nothing ahead, the request's own TTFT would still pass `target_ttft_s`: a lower bound of it
+  (`UnitState.alone_ttft_s`: the time it already waited plus its prompt's prefill in steps of the
+  whole token budget beside the decodes running now, on the fitted step model) times the median
+  of what the long prompts admitted with nothing ahead took against their bound (`AloneFit`: the
+  bound is linear in a prompt's tokens, a long prompt's attention is not, and the decodes beside
+  it grow while it prefills): refused when it more likely misses than not. Such a prompt misses
+  the target on an idle unit too; served while the unit is over capacity, it takes the GPU time
+  of requests that could meet it (one A100 70B unit on the Mooncake trace,
+  whose prompts reach 8k tokens, 1.17 s of prefill alone: 34% of the admitted missed 1 s and
+  goodput halved; benchmarks/RESULTS.md, "Prompts too slow for the target, in overload").
+  Outside OVERLOAD it is served, late (nothing is ahead of it, no unit could serve it sooner);
 - `kv_pressure`: KV usage is at `kv_reject_usage` and requests already wait for room.
 
 The aim (`TtftAim`, a fraction of the limit) is learned from the first tokens of the requests
@@ -30,12 +42,14 @@ prediction"). The aim settles where about `aim_tail` of the judged requests miss
 whose prediction is good keeps a limit near the target.
 
 In `mode` "protect" (a dev server: queue, do not refuse) only `too_long` and `queue_full`
-apply: the SLO rules (`prefill_backlog`, `kv_pressure`) are off, so a burst is served late
+apply: the SLO rules (`prefill_backlog`, `prompt_over_target`, `kv_pressure`) are off, so a burst is served late
 rather than turned away.
 
 The retry-after estimate is the time until the rule would admit again if nothing else
 arrived: the predicted delay above the target, the queue over the service rate, or one mean
-decode span for KV. It is clamped to [min_retry_after_s, max_retry_after_s].
+decode span for KV; for `prompt_over_target`, when the unit leaves OVERLOAD, which nothing at
+arrival foretells, so its own estimated TTFT (a retry is refused again while the overload lasts).
+It is clamped to [min_retry_after_s, max_retry_after_s].
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """
@@ -57,7 +71,8 @@ class UnitState:
 
     `predicted_ttft_s` is the scheduler's prediction of the new arrival's time to first token
     (queueing plus its own prefill; one definition: `Scheduler.predicted_queue_delay_s`).
-    `work_ahead` is False on a unit that would start the request at once.
+    `work_ahead` is False on a unit that would start the request at once; then `alone_ttft_s` is
+    a lower bound of its TTFT (the time it already waited plus `UnitView.alone_prefill_s`), else 0.
     """
 
     num_waiting: int
@@ -67,6 +82,7 @@ class UnitState:
     work_ahead: bool
     regime: Regime
     num_in_system: int = 0
+    alone_ttft_s: float = 0.0
 
 
 def regime_limit_s(cfg: AdmissionConfig, regime: Regime) -> float:
@@ -104,13 +120,48 @@ class TtftAim:
             self.value = value if value < 1.0 else 1.0
 
 
+class AloneFit:
+    """measured / `alone_ttft_s` of the requests admitted with nothing ahead whose bound is at
+    least `FROM` x the TTFT target (the prompts the rule could judge: a short prompt's TTFT is
+    mostly the wait for the step in flight, which says nothing of a long one's): the `QUANTILE`
+    of that ratio, tracked online (up by `GAIN` x `QUANTILE` for a ratio above it, down by `GAIN`
+    x (1 - `QUANTILE`) for one below, within [`FLOOR`, `CEILING`]). The bound is the fitted step
+    model's, which is linear in a prompt's tokens: a long prompt's attention makes it slower than
+    that, and the decodes beside it grow while it prefills. `value` starts at 1 (the bound)."""
+
+    QUANTILE = 0.5  # the median, as the TTFT prediction itself is calibrated
+    GAIN = 0.02
+    FROM = 0.5
+    FLOOR, CEILING = 0.5, 4.0
+    __slots__ = ("num_observed", "target_s", "value")
+
+    def __init__(self, target_ttft_s: float) -> None:
+        self.target_s = target_ttft_s
+        self.value = 1.0
+        self.num_observed = 0
+
+    def observe(self, bound_s: float, measured_s: float) -> None:
+        """A request admitted with nothing ahead and a bound of `bound_s` got its first token
+        `measured_s` after arrival."""
+        if bound_s < self.FROM * self.target_s:
+            return
+        self.num_observed += 1
+        if measured_s < self.value * bound_s:
+            value = self.value - self.GAIN * (1.0 - self.QUANTILE)
+            self.value = value if value > self.FLOOR else self.FLOOR
+        else:
+            value = self.value + self.GAIN * self.QUANTILE
+            self.value = value if value < self.CEILING else self.CEILING
+
+
 class AdmissionController:
-    __slots__ = ("aim", "config", "judges_ttft", "max_model_len")
+    __slots__ = ("aim", "alone", "config", "judges_ttft", "max_model_len")
 
     def __init__(self, config: AdmissionConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.aim = TtftAim(config)
+        self.alone = AloneFit(config.target_ttft_s)
         # The `prefill_backlog` rule applies at all (its limit is never 0): only then does a
         # request admitted with work ahead teach the aim.
         self.judges_ttft = config.enabled and config.mode != "protect"
@@ -152,6 +203,14 @@ class AdmissionController:
             return self._reject(req, "prefill_backlog", ttft - cfg.target_ttft_s,
                                 f"predicted time to first token {ttft:.2f}s exceeds the {cfg.target_ttft_s:.2f}s "
                                 "target")
+        # With nothing ahead, the prompt's own time: in OVERLOAD, one that more likely misses the
+        # target than not would be served in place of requests that can meet it.
+        alone = state.alone_ttft_s * self.alone.value
+        if cfg.refuse_slow_prompts_in_overload and state.regime is Regime.OVERLOAD and alone > cfg.target_ttft_s:
+            return self._reject(req, "prompt_over_target", alone,
+                                f"this prompt's own time to first token, about {alone:.2f}s, exceeds the "
+                                f"{cfg.target_ttft_s:.2f}s target and the unit is over capacity, so it would take "
+                                "the place of requests that can meet it; it is served when the unit has room")
         if state.kv_usage >= cfg.kv_reject_usage and state.num_waiting > 0:
             svc = load.service
             decode_span = load.output_mean * (svc.overhead_s + svc.decode_s_per_seq * max(1, state.num_decoding))

@@ -122,6 +122,10 @@ class AdmissionConfig:
     (every one of them in a burst), so the aim keeps the queue where the prediction's spread
     still fits (core/admission.py `TtftAim`).
 
+    With `refuse_slow_prompts_in_overload` (the default), a request whose own TTFT would pass
+    `target_ttft_s` with nothing ahead of it is refused in OVERLOAD (`prompt_over_target`) and
+    served otherwise; off, a request nothing is ahead of is always admitted (core/admission.py).
+
     Two plain caps apply whether or not `enabled` is set (the baselines users run):
     `max_concurrent_requests` on requests in the unit (TGI's limit) and `max_queued_requests`
     on requests waiting (Ray Serve's); None is no cap.
@@ -142,6 +146,7 @@ class AdmissionConfig:
     aim_gain: float = 0.02
     aim_tail: float = 0.05
     aim_floor: float = 0.5
+    refuse_slow_prompts_in_overload: bool = True
 
     def __post_init__(self) -> None:
         _require(self.mode in ADMISSION_MODES,

@@ -27,6 +27,11 @@ final authority for every request let through:
   steps that prefill the ones behind it;
 - `kv_pressure`: KV usage was at `kv_reject_usage` with requests waiting for room.
 
+The unit's `prompt_over_target` (a prompt too slow for the target even alone, in OVERLOAD) is
+left to the unit: it judges by a bound on the unit's own step model and a ratio it learns, which
+a snapshot does not carry, and the front end's prompt size is an estimate from the body's bytes.
+Such a prompt costs one hop to the unit before its 429.
+
 Two estimates make the prediction, each learned from the units' verdicts: the prompt's tokens,
 from the body's size (`PromptSizeModel`: each verdict says how many tokens its request's prompt
 held), and the way to the unit (`PathModel`: each verdict says how long its request had waited

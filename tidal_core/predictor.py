@@ -37,17 +37,18 @@ Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall cl
 
 from __future__ import annotations
 
-from tidal_core.admission import TtftAim
+from tidal_core.admission import AloneFit, TtftAim
 from tidal_core.load import LoadEstimator
 from tidal_core.request import Request
 
 
 class TtftPredictor:
-    __slots__ = ("aim", "load", "num_observed", "ratio_sum")
+    __slots__ = ("aim", "alone", "load", "num_observed", "ratio_sum")
 
-    def __init__(self, load: LoadEstimator, aim: TtftAim | None = None) -> None:
+    def __init__(self, load: LoadEstimator, aim: TtftAim | None = None, alone: AloneFit | None = None) -> None:
         self.load = load
         self.aim = aim  # admission's learned aim, fed by the first tokens of what it judged
+        self.alone = alone  # admission's measured/bound ratio, fed by those admitted with nothing ahead
         self.num_observed = 0
         self.ratio_sum = 0.0
 
@@ -77,6 +78,8 @@ class TtftPredictor:
         req.first_token_s = now
         if req.admitted_ahead and self.aim is not None:
             self.aim.observe(now - req.arrival_s)
+        if req.alone_ttft_s > 0.0 and self.alone is not None:
+            self.alone.observe(req.alone_ttft_s, now - req.arrival_s)
         if req.raw_predicted_ttft_s is not None:
             req.ttft_prediction_ratio = self.observe(now, req.raw_predicted_ttft_s, req.predicted_ttft_s,
                                                      now - req.arrival_s)

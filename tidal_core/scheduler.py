@@ -64,7 +64,7 @@ class Scheduler:
         self.load = LoadEstimator(config.load_tau_s, config.service_prior, config.max_batch_size,
                                   config.num_kv_blocks * config.block_size)
         self.admission = AdmissionController(config.admission, config.max_model_len)
-        self.predictor = TtftPredictor(self.load, self.admission.aim)
+        self.predictor = TtftPredictor(self.load, self.admission.aim, self.admission.alone)
         self.regime = RegimeDetector(config.regime, now)
         self.batching = LaunchPolicy(config.batching, config.max_batch_size, config.max_num_batched_tokens)
         self.limits = StepLimits(config, self.q, self.load, self.regime, now)
@@ -145,7 +145,7 @@ class Scheduler:
             self.stats.rejected[rejection.reason] += 1
             return rejection
         # Admission's prediction, and the raw model's (whose measured error trains the correction).
-        req.queued_s, req.predicted_ttft_s = now, state.predicted_ttft_s
+        req.queued_s, req.predicted_ttft_s, req.alone_ttft_s = now, state.predicted_ttft_s, state.alone_ttft_s
         req.admitted_ahead = state.work_ahead and self.admission.judges_ttft
         req.raw_predicted_ttft_s = max(0.0, now - req.arrival_s) + raw
         self.q.enqueue(req)

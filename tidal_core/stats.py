@@ -8,7 +8,8 @@ kept (a step's arguments, not a new object each step); `last_wait_s` is its micr
 Reason labels (stable; dashboards and alerts use them):
 - dispatch: immediate, join, full, budget, microwait_expired, wait_expired, decode_only
 - wait (WaitUntil): microwait, fixed_wait, static_batch
-- rejected: too_long, queue_full, prefill_backlog, kv_pressure, batch_queue_full
+- rejected: too_long, concurrency_limit, queue_full, prefill_backlog, prompt_over_target, kv_pressure,
+  batch_queue_full
 - preempted: kv_exhausted, batch_yield (a batch request gave its slot or KV to interactive ones);
   `preempted_by_class`: the same preemptions by service class (interactive, batch);
   `preempted_by`: by (reason, service class), what the preemption metric exports

@@ -86,9 +86,19 @@ class UnitView:
         q = self.queues
         running = q.num_running - q.num_batch_running  # batch requests yield their slots and KV
         busy = bool(q.waiting) or q.prefill_remaining > q.batch_prefill_remaining or running >= self.limits.running_cap
+        waited = max(0.0, now - req.arrival_s)
+        # Nothing ahead: the bound admission's `prompt_over_target` rule judges (and learns) by.
+        alone = 0.0 if busy else waited + self.alone_prefill_s(req.num_prompt_tokens - req.expected_cached_tokens)
         return UnitState(len(q.waiting), len(q.decodes.reqs), q.blocks.usage() - q.batch_kv_usage(),
-                         max(0.0, now - req.arrival_s) + queue_delay_s, busy, self.regime.regime,
-                         len(q.requests) - len(q.batch) - q.num_batch_running)
+                         waited + queue_delay_s, busy, self.regime.regime,
+                         len(q.requests) - len(q.batch) - q.num_batch_running, alone)
+
+    def alone_prefill_s(self, prompt_tokens: int) -> float:
+        """The least time `prompt_tokens` of one prompt take to prefill here if started now: in steps
+        of the whole token budget beside the interactive decodes running now, on the fitted step
+        model, without the learned correction or the step sizer's aim (both only lengthen it)."""
+        n_dec = len(self.queues.decodes.reqs) - self.queues.num_batch_decoding()
+        return self.load.service.drain_time(prompt_tokens, n_dec, n_dec, self._max_tokens)
 
     def snapshot(self, now: float, unit_id: str = "") -> UnitLoad:
         """This unit's state now. `num_waiting`, `queue_delay_s` and `kv_usage` are the

@@ -132,7 +132,7 @@ def test_time_spent_before_the_unit_counts_toward_the_predicted_ttft() -> None:
     assert own.predicted_ttft_s is not None and own.predicted_ttft_s >= 0.5
 
 
-def test_a_request_with_nothing_ahead_is_always_admitted() -> None:
+def test_a_request_with_nothing_ahead_is_admitted_outside_overload() -> None:
     idle = _loaded_scheduler(target_ttft_s=0.1)
     assert idle.add_request(Request("big", 1000, SamplingParams(), 0.0), 0.0) is None
 
