@@ -23,9 +23,9 @@ Owns: `AdmissionController.check`. Rules, in order, each with its metric label:
   bound is linear in a prompt's tokens, a long prompt's attention is not, and the decodes beside
   it grow while it prefills): refused when it more likely misses than not. Such a prompt misses
   the target on an idle unit too; served while the unit is over capacity, it takes the GPU time
-  of requests that could meet it (one A100 70B unit on the Mooncake trace,
-  whose prompts reach 8k tokens, 1.17 s of prefill alone: 34% of the admitted missed 1 s and
-  goodput halved; benchmarks/RESULTS.md, "Prompts too slow for the target, in overload").
+  of requests that could meet it (one A100 70B unit on the Mooncake trace, whose prompts reach
+  8k tokens, 1.17 s of prefill alone: 34% of the admitted missed 1 s and goodput halved;
+  benchmarks/RESULTS.md, "Prompts too slow for the target, in overload").
   Outside OVERLOAD it is served, late (nothing is ahead of it, no unit could serve it sooner);
 - `kv_pressure`: KV usage is at `kv_reject_usage` and requests already wait for room.
 
@@ -42,8 +42,8 @@ prediction"). The aim settles where about `aim_tail` of the judged requests miss
 whose prediction is good keeps a limit near the target.
 
 In `mode` "protect" (a dev server: queue, do not refuse) only `too_long` and `queue_full`
-apply: the SLO rules (`prefill_backlog`, `prompt_over_target`, `kv_pressure`) are off, so a burst is served late
-rather than turned away.
+apply: the SLO rules (`prefill_backlog`, `prompt_over_target`, `kv_pressure`) are off, so a
+burst is served late rather than turned away.
 
 The retry-after estimate is the time until the rule would admit again if nothing else
 arrived: the predicted delay above the target, the queue over the service rate, or one mean

@@ -149,9 +149,8 @@ class StepOutputs:
 class Rejection:
     """Admission control turned a request away. `reason` is a stable metric label.
 
-    Reasons: "concurrency_limit", "queue_full", "prefill_backlog", "prompt_over_target", "kv_pressure"
-    (retry later: HTTP 429) and
-    "too_long" (can never fit: HTTP 400).
+    Reasons: "concurrency_limit", "queue_full", "prefill_backlog", "prompt_over_target",
+    "kv_pressure" (retry later: HTTP 429) and "too_long" (can never fit: HTTP 400).
     """
 
     request_id: str
