@@ -143,6 +143,10 @@ def _admission(t: Targets) -> list[Panel]:
         ts("Engine errors by kind", "Engine failures (dead TP worker, step timeout) per second.",
            [Target(Q.counter_rate(M.ENGINE_ERRORS, group=("unit", "kind")), "{{unit}} {{kind}}")], "ops",
            width=6),
+        ts("Slow-prompt ratio by unit", "What long prompts admitted with nothing ahead took to their first token "
+           "over the step model's lower bound (learned median; 1: the bound itself). In OVERLOAD a prompt whose "
+           "bound times this passes the TTFT target is refused (prompt_over_target, in Rejections by reason).",
+           [Target(Q.gauge(M.SLOW_PROMPT_RATIO), UNIT_LEGEND)], "short", width=6),
     ]
 
 

@@ -79,6 +79,10 @@ QUEUE_DELAY = MetricDef("tidal_predicted_queue_delay_seconds", "gauge",
 ADMISSION_LIMIT = MetricDef("tidal_admission_ttft_limit_seconds", "gauge",
                             "Predicted TTFT past which the unit refuses a request with work ahead: the regime's "
                             "limit times the learned admission aim (0: never refuses for TTFT)")
+SLOW_PROMPT_RATIO = MetricDef("tidal_admission_slow_prompt_ratio", "gauge",
+                              "Learned median of measured TTFT over its lower bound for long prompts admitted with "
+                              "nothing ahead; in overload a prompt whose bound times this passes the TTFT target is "
+                              "refused (prompt_over_target)")
 MEASURED_TPOT = MetricDef("tidal_measured_tpot_seconds", "gauge",
                           "Recent mean time per output token the unit measured (0: no decodes lately); the "
                           "autoscaler's hot-unit signal")
@@ -141,7 +145,8 @@ AUTH_FAILURES = MetricDef("tidal_auth_failures", "counter",
 
 ALL_METRICS: tuple[MetricDef, ...] = (
     TTFT, ITL, E2E, QUEUE_TIME, FRONT_DELAY, MICROWAIT, BATCH_SIZE, STEP_TIME, TTFT_PREDICTION,
-    RUNNING, WAITING, KV_USAGE, REGIME, LOAD, CAPACITY, QUEUE_DELAY, ADMISSION_LIMIT, MEASURED_TPOT, PADDING_WASTE,
+    RUNNING, WAITING, KV_USAGE, REGIME, LOAD, CAPACITY, QUEUE_DELAY, ADMISSION_LIMIT, SLOW_PROMPT_RATIO, MEASURED_TPOT,
+    PADDING_WASTE,
     UNITS_DESIRED, UNITS_DEMAND, BATCH_WAITING, BATCH_BACKLOG_TOKENS, BATCH_RUNNING,
     DISPATCHES, REJECTIONS, FRONT_REFUSALS, PREEMPTIONS, FINISHED, PROMPT_TOKENS, GENERATION_TOKENS, ARRIVALS,
     ENGINE_ERRORS,

@@ -148,6 +148,7 @@ class UnitMetrics:
         m[M.CAPACITY.name].set(snap.capacity_rps)
         m[M.QUEUE_DELAY.name].set(snap.queue_delay_s)
         m[M.ADMISSION_LIMIT.name].set(sched.admission.limit_s(snap.regime))
+        m[M.SLOW_PROMPT_RATIO.name].set(sched.admission.alone.value)
         m[M.MEASURED_TPOT.name].set(snap.tpot_s)
         m[M.PADDING_WASTE.name].set(sched.buckets.padding_waste())
         m[M.BATCH_WAITING.name].set(snap.batch_waiting)

@@ -125,3 +125,14 @@ def test_interactive_kv_preemptions_keep_their_class(metrics: unit_metrics.UnitM
     assert s.stats.preempted["kv_exhausted"] > 0
     assert _by(m._m[M.PREEMPTIONS.name], "class") == {"interactive": s.stats.preempted["kv_exhausted"]}
     assert not m._m[M.BATCH_TOKENS.name].incs
+
+
+def test_the_slow_prompt_ratio_gauge_follows_what_admission_learned(metrics: unit_metrics.UnitMetrics) -> None:
+    s, ex, now, m = _scheduler(), FakeExecutor(), 0.0, metrics
+    s.add_request(_req("a", 40, 4, now), now)
+    now = _step(s, ex, m, now)
+    m.refresh_gauges(s, now)
+    assert m._m[M.SLOW_PROMPT_RATIO.name].value == 1.0  # nothing learned yet: the bound itself
+    s.admission.alone.value = 1.7  # as if long prompts had taken 1.7x their bound
+    m.refresh_gauges(s, now + 1.0)
+    assert m._m[M.SLOW_PROMPT_RATIO.name].value == 1.7
