@@ -18,7 +18,6 @@ it shows as a low first share.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tidal_core.admission as admission
 from benchmarks.sweet_spot import SHIPPED_COST_MODELS, TRACES, _window
-from loadgen.report import OK, Slo
+from loadgen.report import OK, Slo, write_json
 from loadgen.sim.runner import RunSpec, run_policy
 from tidal_core.regime import Regime
 
@@ -47,7 +46,7 @@ def one_run(cost_name: str, trace_name: str, rate: float, hours: float, policy: 
     def judged(self: admission.AdmissionController, req: Any, state: admission.UnitState, load: Any) -> Any:
         verdict = check(self, req, state, load)
         if verdict is None and state.regime is Regime.OVERLOAD and state.alone_ttft_s > 0.0:
-            verdicts[int(req.request_id)] = state.alone_ttft_s * self.alone.value > self.config.target_ttft_s
+            verdicts[int(req.request_id)] = self.too_slow_alone(state)
         return verdict
 
     def record(self: admission.AdmissionController, req: Any, reason: str, retry_after_s: float,
@@ -116,8 +115,7 @@ def main() -> int:
                           f"({_share(off['would_refuse_missed'], off['would_refuse'])}) | {off['would_admit']} "
                           f"({_share(off['would_admit_missed'], off['would_admit'])}) |", flush=True)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+        write_json(Path(args.out), rows)
     print(f"{len(rows) // 2} pairs", file=sys.stderr)
     return 0
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from calibration.cost_model import CostModel
+from calibration.cost_model import CostModel, shipped_names
 from loadgen.report import OK, Slo
 from loadgen.sim.runner import PolicyRun, RunSpec, run_policy, unit_config
 from loadgen.traces import load_trace
@@ -38,8 +38,7 @@ from loadgen.traces import load_trace
 TRACES = ("azure-code", "azure-conv", "mooncake-conv")
 RATES = (0.3, 1.0, 3.0)
 COST_MODELS = ("a100-llama70b-tp8", "h100-llama70b-tp8")  # the matrix's; any shipped cost model may be named
-SHIPPED_COST_MODELS = tuple(sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "calibration"
-                                                    / "costmodels").glob("*.yaml")))
+SHIPPED_COST_MODELS = tuple(shipped_names())
 BUDGETS = (128, 256, 512, 1024, 2048, 4096)
 
 

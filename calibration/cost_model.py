@@ -41,6 +41,11 @@ COSTMODEL_DIR = Path(str(resources.files("calibration") / "costmodels"))
 _CACHE_LIMIT = 1 << 16  # distinct token counts memoised for the token-proportional block
 
 
+def shipped_names() -> list[str]:
+    """The cost models shipped under calibration/costmodels, by the name `CostModel.load` takes."""
+    return sorted(p.stem for p in COSTMODEL_DIR.glob("*.yaml"))
+
+
 @dataclass(frozen=True, slots=True)
 class CostCoefficients:
     """Every figure of the form above. Durations in milliseconds; per layer where named so."""
@@ -231,8 +236,7 @@ class CostModel:
         if path.suffix not in (".yaml", ".yml") and not path.exists():
             path = COSTMODEL_DIR / f"{name_or_path}.yaml"
         if not path.is_file():
-            known = sorted(p.stem for p in COSTMODEL_DIR.glob("*.yaml"))
-            raise FileNotFoundError(f"cost model {str(name_or_path)!r} not found; known names: {known} "
+            raise FileNotFoundError(f"cost model {str(name_or_path)!r} not found; known names: {shipped_names()} "
                                     "(or pass a YAML path)")
         with path.open() as fh:
             return cls.from_dict(yaml.safe_load(fh))

@@ -171,6 +171,16 @@ class AdmissionController:
         0 where none is (admission off, or "protect" mode)."""
         return regime_limit_s(self.config, regime) * self.aim.value
 
+    def alone_ttft_s(self, state: UnitState) -> float:
+        """The request's own TTFT as `prompt_over_target` judges it: its bound times the learned
+        ratio (0 when work is ahead: the `prefill_backlog` rule judges it then)."""
+        return state.alone_ttft_s * self.alone.value
+
+    def too_slow_alone(self, state: UnitState) -> bool:
+        """`prompt_over_target`'s verdict, whether or not the rule is on: in OVERLOAD with nothing
+        ahead, the request more likely misses the TTFT target than not."""
+        return state.regime is Regime.OVERLOAD and self.alone_ttft_s(state) > self.config.target_ttft_s
+
     def check_length(self, req: Request) -> Rejection | None:
         if req.num_prompt_tokens + 1 > self.max_model_len:
             return Rejection(req.request_id, "too_long", 0.0,
@@ -205,8 +215,8 @@ class AdmissionController:
                                 "target")
         # With nothing ahead, the prompt's own time: in OVERLOAD, one that more likely misses the
         # target than not would be served in place of requests that can meet it.
-        alone = state.alone_ttft_s * self.alone.value
-        if cfg.refuse_slow_prompts_in_overload and state.regime is Regime.OVERLOAD and alone > cfg.target_ttft_s:
+        if cfg.refuse_slow_prompts_in_overload and self.too_slow_alone(state):
+            alone = self.alone_ttft_s(state)
             return self._reject(req, "prompt_over_target", alone,
                                 f"this prompt's own time to first token, about {alone:.2f}s, exceeds the "
                                 f"{cfg.target_ttft_s:.2f}s target and the unit is over capacity, so it would take "

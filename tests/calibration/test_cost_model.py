@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from calibration import measured as data
-from calibration.cost_model import COSTMODEL_DIR, FORM_VERSION, CostCoefficients, CostModel
+from calibration.cost_model import COSTMODEL_DIR, FORM_VERSION, CostCoefficients, CostModel, shipped_names
 from tidal_core.config import ServicePrior
 from tidal_core.plan import StepPlan
 
@@ -114,8 +114,11 @@ def test_round_trip_and_load_by_name_or_path(model: CostModel, tmp_path: Path) -
 
 
 def test_bad_names_versions_and_values_are_refused() -> None:
-    with pytest.raises(FileNotFoundError, match="known names"):
+    with pytest.raises(FileNotFoundError, match="known names") as refused:
         CostModel.load("no-such-model")
+    names = shipped_names()
+    assert {"a100-llama70b-tp8", "h100-llama70b-tp4"} <= set(names) and str(names) in str(refused.value)
+    assert all(CostModel.load(n).name == n for n in names)  # every shipped name loads by that name
     d = CostModel.load("a100-llama70b-tp8").to_dict()
     with pytest.raises(ValueError, match="form_version"):
         CostModel.from_dict({**d, "form_version": FORM_VERSION + 1})

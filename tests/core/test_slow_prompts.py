@@ -151,8 +151,7 @@ def test_on_the_simulator_overload_serves_prompts_that_can_meet_the_target_inste
 
     def judged(self, req, state, load):  # type: ignore[no-untyped-def]
         verdict = check(self, req, state, load)
-        if (verdict is None and state.regime is Regime.OVERLOAD
-                and state.alone_ttft_s * self.alone.value > self.config.target_ttft_s):
+        if verdict is None and self.too_slow_alone(state):
             would_refuse.append(int(req.request_id))
         return verdict
 
