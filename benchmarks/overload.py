@@ -3,11 +3,13 @@
 One Ray cluster of this script's own runs two copies of the simulated A100 unit of configs/sim.yaml:
 `/adaptive` as shipped (admission control on) and `/continuous` (the vLLM-like `continuous`
 preset: no admission control, unbounded queue). Both get the very same open-loop trace: Poisson
-arrivals at `--load` x the unit's capacity (measured by the simulator for Azure-conversation
-lengths) for `--duration` seconds, then one probe request (repeated every 0.2 s while refused).
+arrivals at `--load` x the unit's capacity (measured by the simulator on the load's lengths:
+Azure conversation by default, `--lengths` another shipped trace) for `--duration` seconds, then
+one probe request (repeated every 0.2 s while refused).
 While the load runs, `/health` and `unit_state(check=True)` are polled every 0.25 s.
 
-Reported per policy: outcomes, client-side latency of the 429s (p50/p99/max), SLO attainment of
+Reported per policy: outcomes, client-side latency of the 429s (p50/p99/max; then per admission
+rule, with how many of each the unit itself decided and how many were decided before it), SLO attainment of
 the admitted requests (TTFT <= 1 s, TPOT <= 100 ms, from the client), `/health` answers, the KV
 pool's lowest free count and any integrity failure, how soon a request is served once the
 arrivals stop, and where the time goes on a small box: the CPU each process used, and each 429
@@ -16,7 +18,7 @@ Before the load: the idle latency of `/health` (HTTP -> proxy -> ingress -> rout
 fixed cost every answer pays.
 
     RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled python benchmarks/overload.py \
-        [--duration 60] [--load 3] [--seed 8] [--out runs/overload]
+        [--duration 60] [--load 3] [--seed 8] [--lengths mooncake-conv --max-input 8000] [--out runs/overload]
 
 Burst mode (`--burst N:T`, repeatable): configs/sim.yaml as shipped, one app, N chat requests
 evenly spaced over T seconds (prompts of 50-450 words, max_tokens 128, streamed), sent with plain
@@ -57,9 +59,9 @@ from tests.integration.reliability.cluster import (
 )
 from tests.integration.reliability.load import (
     Probe,
-    azure_trace,
     load_figures,
     pct,
+    poisson_trace,
     run_load,
     sim_capacity_rps,
 )
@@ -81,7 +83,7 @@ def idle_health_ms(url: str, n: int = 100) -> dict[str, Any]:
 def run_policy(base: str, policy: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One variant (an app named `policy` or `policy-stream<ms>`) on the shared trace."""
     url = f"{base}/{policy}"
-    trace = azure_trace(args.rate, args.duration, seed=args.seed)
+    trace = poisson_trace(args.rate, args.duration, seed=args.seed, max_input=args.max_input, source=args.lengths)
     meter = CpuMeter({"proxy": [a["pid"] for a in alive_actors("ProxyActor")],
                       "ingress": replica_pids(policy, "Ingress"), "router": replica_pids(policy, "ServingUnit")})
     meter.start()
@@ -107,6 +109,21 @@ def table(results: list[dict[str, Any]]) -> str:
             r["admitted_slo_attainment"], f"{tt['p50_ms']} / {tt['p99_ms']}", f"{tp['p50_ms']} / {tp['p99_ms']}",
             f"{r['health_not_200']} of {r['health_samples']}", f"{r['min_free_blocks']} of {r['num_blocks']}",
             len(r["unit_state_errors"]), probe.get("served_sent_after_load_s"))) + " |")
+    return "\n".join(rows)
+
+
+def rule_table(results: list[dict[str, Any]]) -> str:
+    """The 429s by admission rule (the error body's code), how many of them the unit itself
+    decided (its own count; the rest were decided before it: the front gates, the request router)
+    and their latency at the client."""
+    rows = ["| policy | rule | 429s | decided by the unit | before the unit | p50 / p99 / max ms |",
+            "|---|---|---|---|---|---|"]
+    for r in results:
+        unit = r["final_state"].get("rejected") or {}
+        for code, n in r["rejected_by_code"].items():
+            lat, own = r["rejection_latency_by_code"][code], int(unit.get(code, 0))
+            rows.append(f"| {r['policy']} | {code} | {n} | {own} | {n - own} | "
+                        f"{lat['p50_ms']} / {lat['p99_ms']} / {lat['max_ms']} |")
     return "\n".join(rows)
 
 
@@ -184,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--load", type=float, default=3.0, help="offered rate as a multiple of the unit's capacity")
     p.add_argument("--seed", type=int, default=8)
+    p.add_argument("--lengths", default="azure-conv", choices=("azure-conv", "azure-code", "mooncake-conv"),
+                   help="the trace the prompt and output lengths are drawn from (the capacity is measured on them)")
+    p.add_argument("--max-input", type=int, default=6000, help="prompt tokens are clipped to this")
     p.add_argument("--drain", type=float, default=300.0, help="seconds in-flight requests may take after the load")
     p.add_argument("--policy", action="append", choices=POLICIES, help="default: both")
     p.add_argument("--stream-interval", action="append", type=float, metavar="S",
@@ -200,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         return rescore(args.rescore)
     if args.burst:
         return run_bursts(args)
-    capacity = sim_capacity_rps()
+    capacity = sim_capacity_rps(max_input=args.max_input, source=args.lengths)
     args.rate = args.load * capacity
     variants = [(pol, interval) for pol in args.policy or list(POLICIES)
                 for interval in (args.stream_interval or [None])]
@@ -211,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         policies.append(name)
         apps.append(app_from_config("sim", name, f"/{name}", streaming=streaming, policy=pol))
     report: dict[str, Any] = {"machine_at_start": machine(), "capacity_rps": round(capacity, 3),
-                              "rate_rps": round(args.rate, 3), "duration_s": args.duration, "seed": args.seed}
+                              "rate_rps": round(args.rate, 3), "duration_s": args.duration, "seed": args.seed,
+                              "lengths": args.lengths, "max_input": args.max_input}
     with serve_cluster(apps) as base:
         report["idle_health"] = {pol: idle_health_ms(f"{base}/{pol}") for pol in policies}
         results = [run_policy(base, pol, args, args.out) for pol in policies]
@@ -224,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         print(r["policy"], "cpu:", json.dumps(r["cpu"]), "probe:", json.dumps(r["probe_after_load"]))
         print(r["policy"], "429s server side:", json.dumps(r["rejections_server_side"]))
     print(table(results))
+    print(rule_table(results))
     return 0
 
 

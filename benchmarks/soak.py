@@ -46,7 +46,7 @@ from tests.integration.reliability.cluster import (
     wait_drained,
 )
 from tests.integration.reliability.load import (
-    azure_trace,
+    poisson_trace,
     run_load,
     run_soak,
     sim_capacity_rps,
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         report["malloc_conf"] = args.malloc_conf
     with serve_cluster([app_from_config("sim", "sim", "/sim")]) as base:
         url = base + "/sim"
-        asyncio.run(run_load(url, "sim", azure_trace(2.0, 20.0, seed=1, max_output=64), args.out / "warmup"))
+        asyncio.run(run_load(url, "sim", poisson_trace(2.0, 20.0, seed=1, max_output=64), args.out / "warmup"))
         wait_drained("sim")
         unit = router_handle("sim")
         unit.memory_growth.remote(baseline=True).result(timeout_s=120)

@@ -100,6 +100,7 @@ class RequestResult:
     usage_reported: bool = False
     retry_after_s: float | None = None
     error: str | None = None
+    error_code: str | None = None  # an OpenAI-style error body's `code` (e.g. the admission rule of a 429)
     # With retries (loadgen/replay_retries.py): the fields above are the last attempt's.
     attempts: int = 1
     first_sent_t: float = float("nan")
@@ -181,6 +182,12 @@ def chunk_text(chunk: dict[str, Any]) -> str:
     return "".join(text)
 
 
+def _error_code(payload: Any) -> str | None:
+    err = payload.get("error") if isinstance(payload, dict) else None
+    code = err.get("code") if isinstance(err, dict) else None
+    return code if isinstance(code, str) else None
+
+
 def _error_message(payload: Any) -> str:
     if isinstance(payload, dict):
         err = payload.get("error", payload)
@@ -257,11 +264,14 @@ async def send_request(client: httpx.AsyncClient, config: ClientConfig, spec: Re
                 result.sent_t = result.dispatch_t  # transports without httpcore tracing
             if response.status_code == 429:
                 result.status = "rejected"
-                result.error = _error_message(_json_or_text(await response.aread()))
+                payload = _json_or_text(await response.aread())
+                result.error, result.error_code = _error_message(payload), _error_code(payload)
                 result.end_t = clock()
             elif response.status_code != 200:
                 result.status = "error"
-                result.error = f"HTTP {response.status_code}: {_error_message(_json_or_text(await response.aread()))}"
+                payload = _json_or_text(await response.aread())
+                result.error = f"HTTP {response.status_code}: {_error_message(payload)}"
+                result.error_code = _error_code(payload)
                 result.end_t = clock()
             else:
                 await _read_stream(response, result, clock)

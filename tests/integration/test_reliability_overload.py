@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.integration.reliability.cluster import is_drained, wait_drained
-from tests.integration.reliability.load import Probe, azure_trace, load_figures, run_load, sim_capacity_rps
+from tests.integration.reliability.load import Probe, load_figures, poisson_trace, run_load, sim_capacity_rps
 
 pytestmark = pytest.mark.ray
 DURATION_S = 15.0
@@ -32,7 +32,7 @@ MAX_OUTPUT = 300
 def test_sim_unit_at_3x_capacity_rejects_fast_stays_healthy_and_leaks_nothing(
         sim_server_url: str, tmp_path: Path, record_property: Callable[[str, Any], None]) -> None:
     rate = 3.0 * sim_capacity_rps(max_output=MAX_OUTPUT)
-    trace = azure_trace(rate, DURATION_S, seed=8, max_output=MAX_OUTPUT)
+    trace = poisson_trace(rate, DURATION_S, seed=8, max_output=MAX_OUTPUT)
     run = asyncio.run(run_load(sim_server_url, "sim", trace, tmp_path, probe=Probe(), drain_timeout_s=90.0))
     figures = load_figures(run)
     record_property("overload_figures", json.dumps(figures))

@@ -102,8 +102,8 @@ class FakeServer:
         log.client_ports.append(request.client.port if request.client else -1)
         fate = behavior.fate(n)
         if fate == "reject":
-            return JSONResponse({"error": {"message": "overloaded", "type": "rate_limit"}}, status_code=429,
-                                headers={"Retry-After": behavior.retry_after})
+            return JSONResponse({"error": {"message": "overloaded", "type": "rate_limit", "code": "queue_full"}},
+                                status_code=429, headers={"Retry-After": behavior.retry_after})
         if fate == "fail":
             return JSONResponse({"error": {"message": "boom", "type": "internal"}}, status_code=500)
         prompt_tokens = len(str(body.get("prompt") or body.get("messages")).split())

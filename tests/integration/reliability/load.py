@@ -1,7 +1,7 @@
 """Load with probes beside it, and the figures issue 8 asks of a run.
 
 Owns: `sim_capacity_rps` (the simulated unit's capacity on a length mix, by simulation),
-`azure_trace` / `soak_trace` (Poisson at a fixed rate; the compressed sharp tidal day), `run_load`
+`poisson_trace` / `soak_trace` (Poisson at a fixed rate; the compressed sharp tidal day), `run_load`
 (an open-loop `loadgen` replay with `watch_unit` polling `/health` and `unit_state(check=True)`
 beside it, and optionally a `Probe` once the arrivals stop), `run_soak` (the same with RSS
 sampled), `load_figures` and `soak_figures`. Figures are returned, never asserted here.
@@ -32,10 +32,11 @@ from tests.integration.reliability.cluster import ROOT, SIM_MODEL, replicas_rss,
 
 
 def sim_capacity_rps(max_input: int = 6000, max_output: int = 1024, num_requests: int = 1500, seed: int = 12345,
-                     config: Path = ROOT / "configs" / "sim.yaml") -> float:
-    """Requests/s one simulated unit of `config` sustains on Azure-conversation lengths clipped
-    like the load, measured by the simulator (the same scheduler and cost model as the Serve app:
-    `loadgen.sim.runner.measure_capacity`). About 2.86 req/s unclipped (1157 / 213 tokens mean)."""
+                     config: Path = ROOT / "configs" / "sim.yaml", source: str = "azure-conv") -> float:
+    """Requests/s one simulated unit of `config` sustains on `source`'s lengths (a shipped trace,
+    `loadgen.lengths`) clipped like the load, measured by the simulator (the same scheduler and
+    cost model as the Serve app: `loadgen.sim.runner.measure_capacity`). About 2.86 req/s on
+    Azure-conversation lengths unclipped (1157 / 213 tokens mean)."""
     import yaml
 
     from calibration.cost_model import CostModel
@@ -46,26 +47,27 @@ def sim_capacity_rps(max_input: int = 6000, max_output: int = 1024, num_requests
     cost = CostModel.load(engine["cost_model"])
     base = unit_config(cost, max_batch_size=sched["max_batch_size"],
                        max_num_batched_tokens=sched["max_num_batched_tokens"], max_model_len=engine["max_model_len"])
-    inp, out = sample_length_arrays(num_requests, source="azure-conv", seed=seed, max_input=max_input,
+    inp, out = sample_length_arrays(num_requests, source=source, seed=seed, max_input=max_input,
                                     max_output=max_output)
     lengths = Trace("capacity-lengths", np.zeros(num_requests), np.maximum(inp, 8), np.maximum(out, 1),
                     duration_s=0.0)
     return measure_capacity(cost, base, lengths, num_requests)
 
 
-def azure_trace(rate_rps: float, duration_s: float, seed: int, *, max_input: int = 6000,
-                max_output: int = 1024) -> Trace:
+def poisson_trace(rate_rps: float, duration_s: float, seed: int, *, max_input: int = 6000,
+                  max_output: int = 1024, source: str = "azure-conv") -> Trace:
     """Poisson arrivals at `rate_rps` for `duration_s`, (prompt, output) lengths resampled jointly
-    from the Azure conversation trace (clipped to the given maxima)."""
+    from `source` (a shipped trace: the Azure conversation trace by default), clipped to the given
+    maxima."""
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / rate_rps, size=int(rate_rps * duration_s * 1.5) + 16)
     arrival = np.cumsum(gaps)
     arrival = arrival[arrival < duration_s]
-    inp, out = sample_length_arrays(arrival.size, source="azure-conv", seed=seed, max_input=max_input,
+    inp, out = sample_length_arrays(arrival.size, source=source, seed=seed, max_input=max_input,
                                     max_output=max_output)
     inp = np.maximum(inp, 8)  # a few trace rows have (nearly) empty prompts; the API refuses empty ones
     return Trace(f"poisson-{rate_rps:g}rps", arrival, inp, np.maximum(out, 1), duration_s=duration_s,
-                 source=f"Poisson {rate_rps:g} req/s, azure-conv lengths, seed {seed}")
+                 source=f"Poisson {rate_rps:g} req/s, {source} lengths, seed {seed}")
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,9 @@ def load_figures(run: LoadRun, slo: Slo | None = None) -> dict[str, Any]:
         by_status[key] = by_status.get(key, 0) + 1
     ok = [r for r in records if r["status"] == "ok"]
     rejected = [r for r in records if r["status"] == "rejected"]
+    by_code: dict[str, list[dict[str, Any]]] = {}
+    for r in rejected:  # the 429's admission rule, from its OpenAI-style error body
+        by_code.setdefault(r.get("error_code") or "none", []).append(r)
     meets = [r for r in ok if r["ttft_s"] is not None and r["ttft_s"] <= slo.ttft_s
              and (r["tpot_s"] is None or r["tpot_s"] <= slo.tpot_s)]
     samples = run.samples
@@ -209,6 +214,9 @@ def load_figures(run: LoadRun, slo: Slo | None = None) -> dict[str, Any]:
     return {
         "sent": len(records), "by_status": by_status, "completed": len(ok), "rejected": len(rejected),
         "rejection_latency": spread_ms([r["e2e_s"] for r in rejected]),
+        "rejected_by_code": {code: len(rs) for code, rs in sorted(by_code.items())},
+        "rejection_latency_by_code": {code: spread_ms([r["e2e_s"] for r in rs])
+                                      for code, rs in sorted(by_code.items())},
         "rejections_without_retry_after": sum(1 for r in rejected if r["retry_after_s"] is None),
         "admitted_slo_attainment": round(len(meets) / len(ok), 4) if ok else None,
         "admitted_ttft": spread_ms([r["ttft_s"] for r in ok]),
