@@ -17,6 +17,14 @@ verdict; (2) a background task polls `ServingUnit.load_stats` every `period_s` (
 that refuses everything still sees the unit drain. A snapshot older than `max_age_s` (5 s) is not
 believed: the request then goes to the unit, whose own admission is the final authority.
 
+The door's refusals reach the units. A request refused here never reaches a unit, so a unit's
+load (its arrival rate) would see only what the door let through, about its capacity in any
+overload: its regime would stay short of OVERLOAD (the rules it applies there, such as
+`prompt_over_target`, would not) and an autoscaler reading its load and refusals would miss the
+demand turned away. Each poll passes on the refusals since the last one (`load_stats(n)`:
+tidal_core/front_admission.py `absorb_door_refusals`), and a gate with refusals to pass on polls
+even while verdicts keep its snapshots fresh, at most every `period_s`.
+
 The poll is paced by what it serves: each poll costs CPU in the gate, the unit and Ray, which a
 2-core box takes from the model's steps. While requests come through (or wait for verdicts) it
 polls every `period_s`; when none came since its last poll it dozes for `idle_period_s` (1 s,
@@ -91,7 +99,7 @@ _TICKET: contextvars.ContextVar[_Ticket | None] = contextvars.ContextVar("tidal_
 
 
 class FrontGate:
-    def __init__(self, admission: AdmissionConfig, poll: Callable[[], Awaitable[UnitLoad]] | None = None, *,
+    def __init__(self, admission: AdmissionConfig, poll: Callable[[int], Awaitable[UnitLoad]] | None = None, *,
                  period_s: float = POLL_PERIOD_S, idle_period_s: float = IDLE_POLL_PERIOD_S,
                  closed: Callable[[], OpenAIError | None] | None = None,
                  pending_for_s: float = PENDING_FOR_S, count_arrivals: bool = False,
@@ -101,6 +109,7 @@ class FrontGate:
         self.spread = RetrySpread(admission.max_retry_after_s)
         self.sightings: dict[str, Sighting] = {}
         self.refused: dict[str, int] = {}
+        self.undelivered = 0  # refusals the next poll passes on to a unit (its load and refusal meter count them)
         self._on_refusal = on_refusal  # each 429's reason, e.g. to a counter (`refusal_counter`)
         self._poll = poll
         self._closed = closed  # e.g. a failed unit being rebuilt: 503 at the door
@@ -164,14 +173,15 @@ class FrontGate:
     async def _run_poll(self) -> None:
         assert self._poll is not None and self._wake is not None
         while not self._stopping:
-            if not self._all_fresh(self.clock()):
+            if self.undelivered or not self._all_fresh(self.clock()):
                 self._requests_since_poll = 0
                 self.num_polls += 1
+                refused, self.undelivered = self.undelivered, 0  # at most once: a failed poll loses them
                 try:
                     # `asyncio.timeout`, not `wait_for`: on Python 3.11 a `wait_for` whose inner call has
                     # just finished can swallow the task's cancellation, and `stop()` then waits forever.
                     async with asyncio.timeout(POLL_TIMEOUT_S):
-                        load = await self._poll()
+                        load = await self._poll(refused)
                     self.observe(load)
                 except asyncio.CancelledError:
                     raise
@@ -223,6 +233,7 @@ class FrontGate:
         verdict = self.admission.check(self.sightings.values(), now, tokens, waited_s, way)
         if verdict is not None:
             self.refused[verdict.reason] = self.refused.get(verdict.reason, 0) + 1
+            self.undelivered += 1
             if self._on_refusal is not None:
                 self._on_refusal(verdict.reason)
             return _rate_limited(verdict)
@@ -296,37 +307,6 @@ class FrontGate:
         the OpenAI clients), both from the one spread delay."""
         delay = self.retry_after_s(base_s)
         return {"Retry-After": str(max(1, math.ceil(delay))), "retry-after-ms": str(max(1, round(delay * 1000)))}
-
-
-def refusal_counter(where: str) -> Callable[[str], None]:
-    """A gate's `on_refusal` that counts its 429s in `tidal_front_refusals{where, reason}`: a request
-    the front door refuses never reaches a unit, so no unit's `tidal_rejections` or arrivals count it
-    (dashboards and the rejection-rate alert add the two). Call inside a Ray worker (proxy, replica)."""
-    from ray.util import metrics as ray_metrics
-
-    from serve_app.metric_defs import FRONT_REFUSALS as D
-    from serve_app.metric_defs import WHERE_TAG
-
-    counter = ray_metrics.Counter(D.name, description=D.description, tag_keys=D.tag_keys)
-    counter.set_default_tags({WHERE_TAG: where})
-    tags: dict[str, dict[str, str]] = {}
-
-    def count(reason: str) -> None:
-        counter.inc(1, tags.get(reason) or tags.setdefault(reason, {"reason": reason}))
-
-    return count
-
-
-def front_delay_histogram() -> Callable[[float], None]:
-    """Observes `tidal_front_delay_seconds`: a stamped request's time from the proxy to this Ingress
-    replica (serve_app/openai/arrival_stamp.py). Call inside a Ray worker."""
-    from ray.util import metrics as ray_metrics
-
-    from serve_app.metric_defs import FRONT_DELAY as D
-
-    histogram = ray_metrics.Histogram(D.name, description=D.description, boundaries=list(D.boundaries),
-                                      tag_keys=D.tag_keys)
-    return histogram.observe
 
 
 def _rate_limited(verdict: FrontRefusal) -> OpenAIError:

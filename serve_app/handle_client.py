@@ -66,9 +66,9 @@ class HandleEngineClient:
         return from_engine_error(EngineError.unavailable("engine_recovering", UNIT_REPLACED,
                                                          self.RECOVERING_RETRY_AFTER_S))
 
-    async def load(self) -> UnitLoad:
-        """One unit's published snapshot (the front gate's poll)."""
-        return cast(UnitLoad, await self._router.load_stats.remote())
+    async def load(self, refused_at_door: int = 0) -> UnitLoad:
+        """One unit's published snapshot (the front gate's poll, passing on its refusals since the last)."""
+        return cast(UnitLoad, await self._router.load_stats.remote(refused_at_door))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         if self.recovering:

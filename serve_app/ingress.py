@@ -36,10 +36,11 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from serve_app.auth import ApiKeyGate, ApiKeyMiddleware, gate_from_args
-from serve_app.front_gate import FrontGate, FrontGateMiddleware, front_delay_histogram, gate_headers, refusal_counter
+from serve_app.front_gate import FrontGate, FrontGateMiddleware, gate_headers
 from serve_app.handle_client import HandleEngineClient
 from serve_app.key_usage import MeteredEngine
 from serve_app.memory_trim import start_trimming
+from serve_app.metrics import front_delay_histogram, refusal_counter
 from serve_app.openai.arrival_stamp import ArrivalKey
 from serve_app.openai.errors import OpenAIError, server_error, unavailable
 from serve_app.openai.http_limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, error_response

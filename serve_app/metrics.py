@@ -1,6 +1,7 @@
 """Prometheus metrics of a serving unit, through `ray.util.metrics` (Ray exports them).
 
-Owns: `UnitMetrics`, the `EngineObserver` the engine loop calls. Every metric is created from
+Owns: `UnitMetrics`, the `EngineObserver` the engine loop calls, and the front gates' two
+(`refusal_counter`, `front_delay_histogram`). Every metric is created from
 its definition in serve_app/metric_defs.py (names are never typed twice). Gauges are refreshed
 at most every `gauge_period_s`; counters and histograms are recorded as events happen, once
 per step or per request (never per token: inter-token latency is the gap between steps, which
@@ -13,6 +14,7 @@ would read as an SLO burn.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ray.util import metrics as ray_metrics
@@ -154,3 +156,28 @@ class UnitMetrics:
         m[M.BATCH_WAITING.name].set(snap.batch_waiting)
         m[M.BATCH_BACKLOG_TOKENS.name].set(snap.batch_backlog_tokens)
         m[M.BATCH_RUNNING.name].set(snap.batch_running)
+
+
+def refusal_counter(where: str) -> Callable[[str], None]:
+    """A gate's `on_refusal` that counts its 429s in `tidal_front_refusals{where, reason}`: a request
+    the front door refuses never reaches a unit, so no unit's `tidal_rejections` counts it (its load
+    and refusal meter do, from the gate's polls; dashboards and the rejection-rate alert add the two
+    counters). Call inside a Ray worker (proxy, replica)."""
+    d = M.FRONT_REFUSALS
+    counter = ray_metrics.Counter(d.name, description=d.description, tag_keys=d.tag_keys)
+    counter.set_default_tags({M.WHERE_TAG: where})
+    tags: dict[str, dict[str, str]] = {}
+
+    def count(reason: str) -> None:
+        counter.inc(1, tags.get(reason) or tags.setdefault(reason, {"reason": reason}))
+
+    return count
+
+
+def front_delay_histogram() -> Callable[[float], None]:
+    """Observes `tidal_front_delay_seconds`: a stamped request's time from the proxy to this Ingress
+    replica (serve_app/openai/arrival_stamp.py). Call inside a Ray worker."""
+    d = M.FRONT_DELAY
+    histogram = ray_metrics.Histogram(d.name, description=d.description, boundaries=list(d.boundaries),
+                                      tag_keys=d.tag_keys)
+    return histogram.observe

@@ -52,7 +52,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve_app.api_keys import KeySet
 from serve_app.auth import INVALID_KEY, UNAUTHORIZED_HEADERS, presented_key
-from serve_app.front_gate import PROMPT_TOKENS, REFUSED_BY, UNIT_WAITED, FrontGate, gate_headers, refusal_counter
+from serve_app.front_gate import PROMPT_TOKENS, REFUSED_BY, UNIT_WAITED, FrontGate, gate_headers
+from serve_app.metrics import refusal_counter
 from serve_app.openai.arrival_stamp import ArrivalKey, restamp
 from serve_app.openai.http_limits import JSON_ENDPOINTS, error_response
 
@@ -183,8 +184,8 @@ class ProxyGateMiddleware:
             handle = serve.get_deployment_handle(UNIT_DEPLOYMENT, app_name=name)
             admission = await handle.admission_config.remote()
 
-            async def poll(handle: Any = handle) -> Any:
-                return await handle.load_stats.remote()
+            async def poll(refused_at_door: int, handle: Any = handle) -> Any:
+                return await handle.load_stats.remote(refused_at_door)
 
             gate = FrontGate(admission, poll, count_arrivals=True, on_refusal=self._count_refusal)
             gate.start()

@@ -147,9 +147,11 @@ class ServingUnit:
     def _stats(self) -> dict[str, float]:
         return self.loop.load(time.monotonic()).to_stats()
 
-    async def load_stats(self) -> UnitLoad:
-        """This unit's published snapshot: what the ingress's front-end admission polls (cheap)."""
-        return self.loop.load(time.monotonic())
+    async def load_stats(self, refused_at_door: int = 0) -> UnitLoad:
+        """This unit's published snapshot: what the front gates poll (cheap). A poll passes on the
+        requests its gate refused since the last one, which count in this unit's load and refusals
+        (tidal_core/front_admission.py `absorb_door_refusals`)."""
+        return self.loop.load(time.monotonic(), refused_at_door)
 
     async def unit_state(self, check: bool = False) -> dict[str, Any]:
         """Operator view of the unit (and, with `check`, the scheduler's integrity check):

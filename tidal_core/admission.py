@@ -181,6 +181,19 @@ class AdmissionController:
         ahead, the request more likely misses the TTFT target than not."""
         return state.regime is Regime.OVERLOAD and self.alone_ttft_s(state) > self.config.target_ttft_s
 
+    def alone_limit_tokens(self, regime: Regime, bound_s_per_token: float) -> int:
+        """The longest prompt (uncached tokens) `too_slow_alone` lets start now with nothing ahead,
+        for a bound of `bound_s_per_token` a token (`UnitView.alone_prefill_s` is linear in them)
+        and no time already waited: what a unit publishes for the front gates
+        (`UnitLoad.alone_limit_tokens`). 0 where the rule refuses none (it is off, admission judges
+        no TTFT, the unit is not in OVERLOAD) or none short of `max_model_len`."""
+        cfg = self.config
+        if (not cfg.refuse_slow_prompts_in_overload or not self.judges_ttft or regime is not Regime.OVERLOAD
+                or bound_s_per_token <= 0.0):
+            return 0
+        limit = cfg.target_ttft_s / (self.alone.value * bound_s_per_token)
+        return int(limit) if limit < self.max_model_len else 0
+
     def check_length(self, req: Request) -> Rejection | None:
         if req.num_prompt_tokens + 1 > self.max_model_len:
             return Rejection(req.request_id, "too_long", 0.0,

@@ -3,11 +3,11 @@
 Owns: `FrontAdmission` (the verdict on one new request from the latest `UnitLoad` of each unit
 and how old each is), `Sighting` (a snapshot and when the front end received it), `OnTheWay`
 (what the front end let through that no snapshot holds yet), `PathModel` (how long the way to a
-unit takes), `PromptSizeModel` (a prompt's tokens from its body's bytes), `price_per_token` and
-`FrontRefusal`. The front end (Serve's proxy, the ingress)
-decides before any queue of its own, of Serve's or of a unit holds the request, and before
-tokenizing: every rule reads the units' state only, so a request refused here costs no
-tokenizer work and no hop to a unit.
+unit takes), `PromptSizeModel` (a prompt's tokens from its body's bytes), `price_per_token`,
+`FrontRefusal`, and the unit's side: `published_load` and `absorb_door_refusals`. The front end
+(Serve's proxy, the ingress) decides before any queue of its own, of Serve's or of a unit holds
+the request, and before tokenizing: every rule reads the units' state only, so a request refused
+here costs no tokenizer work and no hop to a unit.
 
 The rules are those of `AdmissionController.check` (tidal_core/admission.py) on a snapshot,
 predicting what the unit will see when the request arrives; the unit's own check stays the
@@ -27,10 +27,12 @@ final authority for every request let through:
   steps that prefill the ones behind it;
 - `kv_pressure`: KV usage was at `kv_reject_usage` with requests waiting for room.
 
-The unit's `prompt_over_target` (a prompt too slow for the target even alone, in OVERLOAD) is
-left to the unit: it judges by a bound on the unit's own step model and a ratio it learns, which
-a snapshot does not carry, and the front end's prompt size is an estimate from the body's bytes.
-Such a prompt costs one hop to the unit before its 429.
+- `prompt_over_target`: in OVERLOAD, with nothing ahead when the request arrives, its prompt is
+  longer than the unit's published `alone_limit_tokens` (the rule's bound and learned ratio,
+  inverted by the unit: core/admission.py `AdmissionController.alone_limit_tokens`). The limit
+  counts the tokens the unit's prefix cache will not hold, which the front end cannot see, so
+  the estimate is scaled by the unit's published `cached_share`; and the time the request
+  waited, which the unit adds, is left out, so this errs towards letting through.
 
 Two estimates make the prediction, each learned from the units' verdicts: the prompt's tokens,
 from the body's size (`PromptSizeModel`: each verdict says how many tokens its request's prompt
@@ -56,6 +58,9 @@ With several units, a request is refused only when every unit with a fresh snaps
 it: the request router would pick the best one. The retry-after of a refusal is the unit's
 estimate (clamped as the unit clamps it); spreading retries over time is `RetrySpread`'s
 business (tidal_core/retry_spread.py).
+
+`absorb_door_refusals` is the other way: the front end's refusals, counted in the unit's load and
+refusal meter as if they had reached it (Serve's gates pass them on with their polls).
 
 `published_load` is the snapshot a unit publishes for this: `Scheduler.snapshot` with
 `prefill_s_per_token` and `burst_s_per_token` measured as the scheduler's own marginal TTFT
@@ -98,17 +103,34 @@ def ttft_limit_s(cfg: AdmissionConfig, regime: Regime) -> float:
 def published_load(sched: Scheduler, now: float, unit_id: str = "") -> UnitLoad:
     """`sched`'s snapshot with `prefill_s_per_token`: how much a prompt's tokens add to its
     predicted TTFT now (the measured prefill speed, corrections included), `burst_s_per_token`:
-    the same per token of `BURST_REQUESTS` prompts arriving together (the last one's TTFT), and
-    `ttft_limit_s`."""
+    the same per token of `BURST_REQUESTS` prompts arriving together (the last one's TTFT),
+    `ttft_limit_s`, and `alone_limit_tokens` with `cached_share` (the `prompt_over_target` rule's
+    longest prompt, on the unit's own bound per token, and how much of a prompt its cache held)."""
     snap = sched.snapshot(now, unit_id)
     with_prompt = sched.predicted_queue_delay_s(now, _PROBE_TOKENS)
     per_token = max(0.0, with_prompt - snap.queue_delay_s) / _PROBE_TOKENS
     burst_tokens = BURST_REQUESTS * _BURST_PROMPT_TOKENS
     with_burst = sched.predicted_queue_delay_s(now, burst_tokens, own_requests=BURST_REQUESTS)
+    alone_per_token = sched.view.alone_prefill_s(_PROBE_TOKENS) / _PROBE_TOKENS
     return dataclasses.replace(snap, prefill_s_per_token=per_token,
                                burst_s_per_token=max(per_token, (with_burst - snap.queue_delay_s) / burst_tokens),
                                num_arrived=sched.stats.num_arrived,
-                               ttft_limit_s=sched.admission.limit_s(snap.regime))
+                               ttft_limit_s=sched.admission.limit_s(snap.regime),
+                               alone_limit_tokens=sched.admission.alone_limit_tokens(snap.regime, alone_per_token),
+                               cached_share=sched.stats.prefix_cache_hit_rate)
+
+
+def absorb_door_refusals(sched: Scheduler, now: float, num_refused: int) -> None:
+    """`num_refused` requests a front end refused at the door for `sched`'s unit since it last
+    said (`FrontAdmission` refuses only what every unit would): they count as the unit's arrivals
+    in its load estimate and, refused, in its refusal meter, as they would had they reached it.
+    Without this the unit's load saw only what the door let through, about its capacity in any
+    overload, so its regime stayed short of OVERLOAD and an autoscaler reading its load and
+    refusals missed the demand turned away. They do not count in `num_arrived` (the requests on
+    the way) nor in the prompt mean."""
+    if num_refused > 0:
+        sched.load.arrivals.on_event(now, float(num_refused))
+        sched.view.refusals.on_arrival(now, True, float(num_refused))
 
 
 def price_per_token(load: UnitLoad, num_requests: int) -> float:
@@ -308,6 +330,16 @@ class FrontAdmission:
             return self._refuse(load, "prefill_backlog", ttft - cfg.target_ttft_s,
                                 f"predicted time to first token {ttft:.2f}s exceeds the "
                                 f"{cfg.target_ttft_s:.2f}s target")
+        # Nothing ahead when it arrives: in OVERLOAD a prompt too slow on its own is refused, by
+        # its tokens the unit's prefix cache will not hold (unseen here: the unit's cached share
+        # of the prompt tokens it admitted scales the estimate) and without the time it waited
+        # (the unit counts it, so this errs towards letting through).
+        if 0 < load.alone_limit_tokens < (uncached := prompt_tokens * (1.0 - load.cached_share)) and ahead_s <= 0.0:
+            alone = cfg.target_ttft_s * uncached / load.alone_limit_tokens
+            return self._refuse(load, "prompt_over_target", alone,
+                                f"a prompt of about {prompt_tokens} tokens would take about {alone:.2f}s to its "
+                                f"first token on its own, past the {cfg.target_ttft_s:.2f}s target, and the unit is "
+                                "over capacity")
         if load.kv_usage >= cfg.kv_reject_usage and load.num_waiting > 0:
             return self._refuse(load, "kv_pressure", cfg.min_retry_after_s,
                                 f"KV cache is {load.kv_usage:.0%} full and {load.num_waiting} requests wait for room")

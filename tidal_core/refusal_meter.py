@@ -36,11 +36,11 @@ class RefusalMeter:
         self._refused = 0.0
         self._t_last = -math.inf
 
-    def on_arrival(self, now: float, refused: bool) -> None:
-        """One interactive arrival judged at `now`; `refused`: turned away for an SLO reason."""
+    def on_arrival(self, now: float, refused: bool, count: float = 1.0) -> None:
+        """`count` interactive arrivals judged at `now`; `refused`: turned away for an SLO reason."""
         kept = decay(now - self._t_last, self.tau_s)
-        self._arrived = self._arrived * kept + 1.0
-        self._refused = self._refused * kept + (1.0 if refused else 0.0)
+        self._arrived = self._arrived * kept + count
+        self._refused = self._refused * kept + (count if refused else 0.0)
         self._t_last = max(now, self._t_last)
 
     def fraction(self, now: float) -> float:

@@ -37,6 +37,11 @@ class UnitLoad:
     `prefill_s_per_token` for the last of a burst of prompts arriving together (each one a decode
     in the later steps of the others' prefill, so a burst's tokens cost more each; 0: not
     published), so a front end can price the requests it let through that have not arrived yet.
+    `alone_limit_tokens` is the longest prompt, in tokens not found in its prefix cache, that the
+    unit would start now with nothing ahead (0: no such limit: it is not in OVERLOAD, or its
+    `prompt_over_target` rule is off); `cached_share` the share of the prompt tokens it admitted
+    that its prefix cache held (0: none, or no cache), so a front end that cannot see the cache
+    can scale a prompt's tokens to the part the limit counts (core/admission.py).
 
     The batch class (core/batch_lane.py) is reported apart so an autoscaler can count
     interactive demand only: `num_waiting`, `queue_delay_s` and `kv_usage` are interactive
@@ -67,6 +72,8 @@ class UnitLoad:
     refused_fraction: float = 0.0  # recent share of interactive arrivals refused (core/refusal_meter.py)
     ttft_limit_s: float = 0.0  # predicted TTFT past which the unit refuses a request with work ahead (0: never)
     burst_s_per_token: float = 0.0  # `prefill_s_per_token` for prompts arriving together (0: not published)
+    alone_limit_tokens: int = 0  # longest uncached prompt started now with nothing ahead (0: no limit)
+    cached_share: float = 0.0  # share of admitted prompt tokens the prefix cache held
 
     def to_stats(self) -> dict[str, float]:
         """The wire form: floats only (Serve's stats contract); the unit id is the replica's."""
@@ -90,6 +97,8 @@ class UnitLoad:
             "refused_fraction": self.refused_fraction,
             "ttft_limit_s": self.ttft_limit_s,
             "burst_s_per_token": self.burst_s_per_token,
+            "alone_limit_tokens": float(self.alone_limit_tokens),
+            "cached_share": self.cached_share,
         }
 
     @classmethod
@@ -107,7 +116,9 @@ class UnitLoad:
                    batch_running=int(s.get("batch_running", 0)), batch_kv_usage=float(s.get("batch_kv_usage", 0.0)),
                    refused_fraction=float(s.get("refused_fraction", 0.0)),
                    ttft_limit_s=float(s.get("ttft_limit_s", 0.0)),
-                   burst_s_per_token=float(s.get("burst_s_per_token", 0.0)))
+                   burst_s_per_token=float(s.get("burst_s_per_token", 0.0)),
+                   alone_limit_tokens=int(s.get("alone_limit_tokens", 0)),
+                   cached_share=float(s.get("cached_share", 0.0)))
 
 
 STAT_KEYS: tuple[str, ...] = tuple(UnitLoad("", 0, 0, 0.0, 0.0).to_stats())

@@ -26,6 +26,7 @@ from tidal_core.front_admission import (
     PathModel,
     PromptSizeModel,
     Sighting,
+    absorb_door_refusals,
     price_per_token,
     published_load,
 )
@@ -302,3 +303,26 @@ def test_work_let_through_starts_when_it_arrives_and_a_unit_idle_at_arrival_deci
     assert front.check([Sighting(busy, 0.0)], 0.0, 100, on_the_way=OnTheWay(500, 5, 0.0, 0.3)) is not None  # 1.1 s
     # Several units share what is on the way.
     assert OnTheWay(800, 3, 0.1, 0.2).share(2) == OnTheWay(400, 2, 0.1, 0.2)
+
+
+def test_the_doors_refusals_count_in_the_units_load_so_its_regime_sees_the_overload() -> None:
+    """A unit behind a front gate sees only what the door lets through, about its capacity: its
+    regime stays short of OVERLOAD unless the door's refusals count as its arrivals."""
+    def unit() -> Scheduler:
+        return Scheduler(preset("adaptive", SchedulerConfig(max_batch_size=8, max_num_batched_tokens=512,
+                                                            num_kv_blocks=256, block_size=16, max_model_len=4096,
+                                                            service_prior=ServicePrior(0.05, 0.001, 0.001))))
+
+    told, blind = unit(), unit()
+    capacity = told.load.capacity_rps()
+    for step in range(400):  # 20 s: arrivals at the unit's capacity, three times that at the door
+        now = step * 0.05
+        for sched in (told, blind):
+            sched.load.arrivals.on_event(now, capacity * 0.05)
+            sched._observe(now)  # what every schedule() of a unit with work does each OBSERVE_PERIOD_S
+        absorb_door_refusals(told, now, round(2 * capacity * 0.05 * 10) if step % 10 == 0 else 0)
+    assert blind.current_regime is not Regime.OVERLOAD
+    assert told.current_regime is Regime.OVERLOAD
+    assert told.view.refusals.fraction(20.0) > 0.5 and told.stats.num_arrived == blind.stats.num_arrived == 0
+    absorb_door_refusals(told, 20.0, 0)  # nothing to count: nothing changes
+    assert told.stats.num_arrived == 0

@@ -4,6 +4,7 @@ TTFT and the learned ratio of what such requests took against it (`AloneFit`).""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -21,9 +22,11 @@ from tidal_core import (
     Scheduler,
     SchedulerConfig,
     ServicePrior,
+    UnitLoad,
     preset,
 )
 from tidal_core.admission import AdmissionController, AloneFit
+from tidal_core.front_admission import FrontAdmission, Sighting, published_load
 
 
 def _unit(**admission: object) -> Scheduler:
@@ -180,3 +183,45 @@ def test_on_the_simulator_overload_serves_prompts_that_can_meet_the_target_inste
     assert all(alone_s(t) > 0.9 * slo.ttft_s for t in refused_on), sorted(refused_on)[:5]
     assert missed_on < 0.5 * missed_off, (missed_on, missed_off)
     assert good_on > 1.1 * good_off, (good_on, good_off)
+
+
+def test_the_published_limit_is_the_units_own_verdict_for_the_front_gates() -> None:
+    """A unit publishes the rule inverted: the longest prompt it would start now
+    (`UnitLoad.alone_limit_tokens`). The front gate's verdict on that snapshot agrees with the
+    unit's own on prompts either side of it; outside OVERLOAD, or with the rule off, there is no
+    limit; a learned ratio of 2 halves it."""
+    load = published_load(_overloaded(), 0.0, "u")
+    limit = load.alone_limit_tokens
+    assert limit == int(1.0 / (0.001 + 0.05 / 512))  # the target over the bound per token (test 5)
+    assert UnitLoad.from_stats("u", load.to_stats()).alone_limit_tokens == limit
+    front = FrontAdmission(_unit().config.admission)
+    for tokens in (limit - 3, limit + 3, 2 * limit):
+        rejection = _overloaded().add_request(Request("x", tokens, SamplingParams(), 0.0), 0.0)
+        refused = rejection is not None and rejection.reason == "prompt_over_target"
+        assert refused == (tokens > limit) == (rejection is not None)
+        verdict = front.check([Sighting(load, 0.0)], 0.0, tokens)
+        assert (verdict is not None and verdict.reason == "prompt_over_target") == refused
+    long_one = front.check([Sighting(load, 0.0)], 0.0, 2 * limit)
+    assert long_one is not None and long_one.retry_after_s == pytest.approx(2.0, rel=0.01)  # its own time
+    taught = _overloaded()
+    taught.admission.alone.value = 2.0
+    assert published_load(taught, 0.0).alone_limit_tokens == pytest.approx(limit / 2, abs=1)
+    assert published_load(_unit(), 0.0).alone_limit_tokens == 0
+    assert published_load(_overloaded(refuse_slow_prompts_in_overload=False), 0.0).alone_limit_tokens == 0
+    assert published_load(_overloaded(mode="protect"), 0.0).alone_limit_tokens == 0
+
+
+def test_the_front_gate_scales_by_the_cached_share_and_leaves_work_ahead_to_the_backlog_rule() -> None:
+    load = dataclasses.replace(published_load(_overloaded(), 0.0, "u"), cached_share=0.5)
+    front, limit = FrontAdmission(_unit().config.admission), load.alone_limit_tokens
+    # Half of a prompt's tokens are found cached there, on average: 1.5 x the limit is let through.
+    assert front.check([Sighting(load, 0.0)], 0.0, int(1.5 * limit)) is None
+    assert front.check([Sighting(load, 0.0)], 0.0, int(2.5 * limit)) is not None
+    # With work ahead when it arrives the unit judges by its backlog: a prompt over the limit that
+    # fits the backlog's limit is let through, as the unit would admit it.
+    ahead = dataclasses.replace(load, cached_share=0.0, queue_delay_s=0.01, prefill_s_per_token=1e-6,
+                                ttft_limit_s=1.0)
+    assert front.check([Sighting(ahead, 0.0)], 0.0, 2 * limit) is None
+    # With several units, one that would admit it (not over capacity: no limit) lets it through.
+    calm = dataclasses.replace(load, unit_id="v", cached_share=0.0, alone_limit_tokens=0, regime=Regime.STEADY)
+    assert front.check([Sighting(load, 0.0), Sighting(calm, 0.0)], 0.0, 3 * limit) is None

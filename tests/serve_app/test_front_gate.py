@@ -136,7 +136,7 @@ async def test_a_closed_gate_answers_503_with_retry_after(tok: Any) -> None:
 async def test_the_poll_keeps_the_view_fresh_and_a_failing_poll_keeps_the_last() -> None:
     answers: list[UnitLoad | Exception] = [BUSY, RuntimeError("no replica"), IDLE]
 
-    async def poll() -> UnitLoad:
+    async def poll(refused_at_door: int = 0) -> UnitLoad:
         answer = answers.pop(0) if answers else IDLE
         if isinstance(answer, Exception):
             raise answer
@@ -240,7 +240,7 @@ async def test_stop_ends_the_poll_even_when_a_cancellation_is_lost() -> None:
     # finishes; a poll that swallows it itself stands in for that race, deterministically.
     entered = asyncio.Event()
 
-    async def poll() -> UnitLoad:
+    async def poll(refused_at_door: int = 0) -> UnitLoad:
         entered.set()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.sleep(10)
@@ -262,7 +262,7 @@ async def _until(cond: Any, timeout_s: float = 5.0) -> None:
 
 def _gate_answering(load: UnitLoad, **kw: Any) -> FrontGate:
     """A gate whose poll always answers `load`, polling every millisecond while it polls fast."""
-    async def poll() -> UnitLoad:
+    async def poll(refused_at_door: int = 0) -> UnitLoad:
         return load
 
     return FrontGate(AdmissionConfig(), poll, period_s=0.001, **kw)
@@ -286,7 +286,7 @@ async def test_a_dev_servers_gate_keeps_its_idle_pace_under_traffic_until_the_qu
     protect = AdmissionConfig(mode="protect", max_queue_len=64)
     load = dataclasses.replace(BUSY, num_waiting=10)
 
-    async def poll() -> UnitLoad:
+    async def poll(refused_at_door: int = 0) -> UnitLoad:
         return load
 
     gate = FrontGate(protect, poll, period_s=0.001, idle_period_s=4.0)
@@ -346,3 +346,31 @@ def test_the_poll_periods_must_fit_the_snapshots_age_limit() -> None:
     for period_s, idle_s in ((0.0, 1.0), (0.5, 0.1), (0.1, 5.0)):
         with pytest.raises(ValueError, match="period_s"):
             FrontGate(AdmissionConfig(), period_s=period_s, idle_period_s=idle_s)
+
+
+async def test_the_doors_refusals_reach_a_unit_with_the_next_poll_once() -> None:
+    """A request refused at the door never reaches a unit: the gate passes its refusals on with its
+    next poll, even while verdicts keep its snapshots fresh, and each only once; the unit counts
+    them in its load and refusal meter, not in the requests it received."""
+    clock, passed = Clock(), []
+
+    async def poll(refused_at_door: int = 0) -> UnitLoad:
+        passed.append(refused_at_door)
+        return BUSY
+
+    gate = FrontGate(AdmissionConfig(target_ttft_s=1.0), poll, period_s=0.001, idle_period_s=0.001, clock=clock)
+    gate.observe(BUSY)  # fresh: without refusals to pass on, no poll (as in the test above)
+    for _ in range(7):
+        assert contextvars.copy_context().run(gate.refusal, 100) is not None
+    assert gate.undelivered == 7
+    gate.start()
+    await _until(lambda: sum(passed) == 7)
+    await asyncio.sleep(0.05)
+    assert gate.undelivered == 0 and sum(passed) == 7 and passed[0] == 7 and len(passed) == 1
+    await gate.stop()
+
+    sched = Scheduler(preset("adaptive", CFG))
+    loop = EngineLoop(sched, AsyncFake(step_s=0.01), unit_id="u9")
+    before = loop.load(10.0)
+    after = loop.load(10.0, refused_at_door=50)
+    assert after.load > before.load and after.refused_fraction == 1.0 and after.num_arrived == before.num_arrived
