@@ -110,7 +110,7 @@ class FrontGate:
         self.sightings: dict[str, Sighting] = {}
         self.refused: dict[str, int] = {}
         self.undelivered = 0  # refusals the next poll passes on to a unit (its load and refusal meter count them)
-        self._on_refusal = on_refusal  # each 429's reason, e.g. to a counter (`refusal_counter`)
+        self._on_refusal = on_refusal  # each 429's reason, e.g. to a counter (`serve_app.metrics.refusal_counter`)
         self._poll = poll
         self._closed = closed  # e.g. a failed unit being rebuilt: 503 at the door
         if not 0.0 < period_s <= idle_period_s < self.admission.max_age_s:
