@@ -72,7 +72,8 @@ RUNNING = MetricDef("tidal_num_running", "gauge", "Requests in the running batch
 WAITING = MetricDef("tidal_num_waiting", "gauge", "Requests queued for admission")
 KV_USAGE = MetricDef("tidal_kv_cache_usage", "gauge", "Fraction of KV-cache blocks in use (0..1)")
 REGIME = MetricDef("tidal_regime", "gauge", "Traffic regime: 0 light, 1 steady, 2 overload")
-LOAD = MetricDef("tidal_load", "gauge", "Utilisation estimate: arrival rate over measured capacity")
+LOAD = MetricDef("tidal_load", "gauge",
+                 "Utilisation estimate: arrival rate (the front gates' refusals included) over measured capacity")
 CAPACITY = MetricDef("tidal_capacity_rps", "gauge", "Measured service capacity of the unit, requests/s")
 QUEUE_DELAY = MetricDef("tidal_predicted_queue_delay_seconds", "gauge",
                         "Predicted queueing delay of a new arrival (prefill backlog drain time)")
