@@ -18,7 +18,10 @@ Before the load: the idle latency of `/health` (HTTP -> proxy -> ingress -> rout
 fixed cost every answer pays.
 
     RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled python benchmarks/overload.py \
-        [--duration 60] [--load 3] [--seed 8] [--lengths mooncake-conv --max-input 8000] [--out runs/overload]
+        [--duration 60] [--load 3] [--seed 8] [--lengths mooncake-conv --max-input 7000] [--out runs/overload]
+
+With `--simulate`, the simulator on the very same trace instead (configs/sim.yaml's unit and cost
+model; no cluster): what Serve's figures should come close to.
 
 Burst mode (`--burst N:T`, repeatable): configs/sim.yaml as shipped, one app, N chat requests
 evenly spaced over T seconds (prompts of 50-450 words, max_tokens 128, streamed), sent with plain
@@ -64,6 +67,7 @@ from tests.integration.reliability.load import (
     poisson_trace,
     run_load,
     sim_capacity_rps,
+    sim_unit,
 )
 from tests.integration.reliability.logs import breakdown
 
@@ -95,6 +99,24 @@ def run_policy(base: str, policy: str, args: argparse.Namespace, out: Path) -> d
     return {"policy": policy, **figures, "cpu": cpu, "rejections_server_side": breakdown(session_dir(), policy),
             "drained_after_s": round(drain_s, 1), "final_state": {k: state[k] for k in (
                 "num_free_blocks", "num_blocks", "num_requests", "num_streams", "healthy", "finished", "rejected")}}
+
+
+def simulate(args: argparse.Namespace) -> int:
+    """`--simulate`: the simulator on the very trace each policy would get, with configs/sim.yaml's
+    unit and cost model (`sim_unit`): what Serve's figures should come close to (no cluster)."""
+    from loadgen.report import OK, Slo
+    from loadgen.sim.runner import RunSpec
+    from loadgen.sim.runner import run_policy as simulate_policy
+
+    cost, base = sim_unit()
+    trace = poisson_trace(args.rate, args.duration, seed=args.seed, max_input=args.max_input, source=args.lengths)
+    slo = Slo()
+    print("| policy | sent | completed | within the SLO | share |\n|---|---|---|---|---|")
+    for pol in args.policy or list(POLICIES):
+        o = simulate_policy(RunSpec(trace, base, cost, slo), pol, progress=False).run.outcomes
+        done, within = int((o.status == OK).sum()), int(o.meets_slo(slo).sum())
+        print(f"| {pol} (simulator) | {len(o.status)} | {done} | {within} | {within / max(1, done):.3f} |")
+    return 0
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -204,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default="azure-conv", choices=("azure-conv", "azure-code", "mooncake-conv"),
                    help="the trace the prompt and output lengths are drawn from (the capacity is measured on them)")
     p.add_argument("--max-input", type=int, default=6000, help="prompt tokens are clipped to this")
+    p.add_argument("--simulate", action="store_true",
+                   help="the simulator on the same trace instead of Serve (what Serve should come close to)")
     p.add_argument("--drain", type=float, default=300.0, help="seconds in-flight requests may take after the load")
     p.add_argument("--policy", action="append", choices=POLICIES, help="default: both")
     p.add_argument("--stream-interval", action="append", type=float, metavar="S",
@@ -222,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_bursts(args)
     capacity = sim_capacity_rps(max_input=args.max_input, source=args.lengths)
     args.rate = args.load * capacity
+    if args.simulate:
+        return simulate(args)
     variants = [(pol, interval) for pol in args.policy or list(POLICIES)
                 for interval in (args.stream_interval or [None])]
     policies, apps = [], []

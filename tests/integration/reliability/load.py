@@ -1,6 +1,7 @@
 """Load with probes beside it, and the figures issue 8 asks of a run.
 
-Owns: `sim_capacity_rps` (the simulated unit's capacity on a length mix, by simulation),
+Owns: `sim_unit` (configs/sim.yaml's unit for the simulator), `sim_capacity_rps` (its capacity on a
+length mix, by simulation),
 `poisson_trace` / `soak_trace` (Poisson at a fixed rate; the compressed sharp tidal day), `run_load`
 (an open-loop `loadgen` replay with `watch_unit` polling `/health` and `unit_state(check=True)`
 beside it, and optionally a `Probe` once the arrivals stop), `run_soak` (the same with RSS
@@ -31,22 +32,31 @@ from loadgen.report import Slo
 from tests.integration.reliability.cluster import ROOT, SIM_MODEL, replicas_rss, router_handle
 
 
-def sim_capacity_rps(max_input: int = 6000, max_output: int = 1024, num_requests: int = 1500, seed: int = 12345,
-                     config: Path = ROOT / "configs" / "sim.yaml", source: str = "azure-conv") -> float:
-    """Requests/s one simulated unit of `config` sustains on `source`'s lengths (a shipped trace,
-    `loadgen.lengths`) clipped like the load, measured by the simulator (the same scheduler and
-    cost model as the Serve app: `loadgen.sim.runner.measure_capacity`). About 2.86 req/s on
-    Azure-conversation lengths unclipped (1157 / 213 tokens mean)."""
+def sim_unit(config: Path = ROOT / "configs" / "sim.yaml") -> tuple[Any, Any]:
+    """The cost model and the simulator's unit config of `config`'s simulated unit: the same
+    scheduler and cost model as the Serve app."""
     import yaml
 
     from calibration.cost_model import CostModel
-    from loadgen.sim.runner import measure_capacity, unit_config
+    from loadgen.sim.runner import unit_config
 
     (app,) = yaml.safe_load(config.read_text())["applications"]
     engine, sched = app["args"]["engine"], app["args"]["scheduler"]
     cost = CostModel.load(engine["cost_model"])
-    base = unit_config(cost, max_batch_size=sched["max_batch_size"],
-                       max_num_batched_tokens=sched["max_num_batched_tokens"], max_model_len=engine["max_model_len"])
+    return cost, unit_config(cost, max_batch_size=sched["max_batch_size"],
+                             max_num_batched_tokens=sched["max_num_batched_tokens"],
+                             max_model_len=engine["max_model_len"])
+
+
+def sim_capacity_rps(max_input: int = 6000, max_output: int = 1024, num_requests: int = 1500, seed: int = 12345,
+                     config: Path = ROOT / "configs" / "sim.yaml", source: str = "azure-conv") -> float:
+    """Requests/s one simulated unit of `config` sustains on `source`'s lengths (a shipped trace,
+    `loadgen.lengths`) clipped like the load, measured by the simulator (`sim_unit`,
+    `loadgen.sim.runner.measure_capacity`). About 2.86 req/s on Azure-conversation lengths
+    unclipped (1157 / 213 tokens mean)."""
+    from loadgen.sim.runner import measure_capacity
+
+    cost, base = sim_unit(config)
     inp, out = sample_length_arrays(num_requests, source=source, seed=seed, max_input=max_input,
                                     max_output=max_output)
     lengths = Trace("capacity-lengths", np.zeros(num_requests), np.maximum(inp, 8), np.maximum(out, 1),
