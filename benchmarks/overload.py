@@ -50,6 +50,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' harness is the benchmark's too
 
+from loadgen.records import Trace
 from tests.integration.reliability.cluster import (
     CpuMeter,
     alive_actors,
@@ -84,10 +85,15 @@ def idle_health_ms(url: str, n: int = 100) -> dict[str, Any]:
     return {"n": n, "p50_ms": pct(samples, 50), "p99_ms": pct(samples, 99), "max_ms": round(max(samples), 3)}
 
 
+def shared_trace(args: argparse.Namespace) -> Trace:
+    """The one open-loop trace every variant gets, on Serve and with `--simulate`."""
+    return poisson_trace(args.rate, args.duration, seed=args.seed, max_input=args.max_input, source=args.lengths)
+
+
 def run_policy(base: str, policy: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One variant (an app named `policy` or `policy-stream<ms>`) on the shared trace."""
     url = f"{base}/{policy}"
-    trace = poisson_trace(args.rate, args.duration, seed=args.seed, max_input=args.max_input, source=args.lengths)
+    trace = shared_trace(args)
     meter = CpuMeter({"proxy": [a["pid"] for a in alive_actors("ProxyActor")],
                       "ingress": replica_pids(policy, "Ingress"), "router": replica_pids(policy, "ServingUnit")})
     meter.start()
@@ -109,7 +115,7 @@ def simulate(args: argparse.Namespace) -> int:
     from loadgen.sim.runner import run_policy as simulate_policy
 
     cost, base = sim_unit()
-    trace = poisson_trace(args.rate, args.duration, seed=args.seed, max_input=args.max_input, source=args.lengths)
+    trace = shared_trace(args)
     slo = Slo()
     print("| policy | sent | completed | within the SLO | share |\n|---|---|---|---|---|")
     for pol in args.policy or list(POLICIES):
