@@ -24,12 +24,20 @@ tokens:
   request at most the prefill it saves, so a busier unit loses once its queue costs more;
 - a unit more than `max_extra_delay_s` busier (queueing delay) than the least busy one is
   never chosen for affinity: a report may lag, and piling one conversation's turns onto a
-  backed-up unit would cost more than the cache saves.
+  backed-up unit would cost more than the cache saves;
+- a unit whose admission would refuse the request's uncached tokens for its backlog
+  (`would_refuse`, core/routing.py) comes after every unit that would admit it, as in
+  `choose_unit`: a refused turn breaks its conversation's chain of cached prefixes.
 
-The chosen unit's index then records the prompt. Two learnings from SGLang's cache-aware router
-and Ray Serve's prefix-aware router guide the shape (a match threshold below which load alone
-decides, and a load guard over the match); the score in seconds is this project's own, in
-the same unit as `unit_score`.
+The chosen unit's index then records the prompt. If that unit refuses the request after all
+(its own admission is the final authority), `refused` takes the record back: the unit never
+computed the prompt, and an index that kept it would send the conversation's next turn after
+a prefix no unit holds. (In Serve the front gates refuse most such requests before a unit is
+chosen, so the index never records them; the simulator has no gates and reports every refusal.)
+
+Two learnings from SGLang's cache-aware router and Ray Serve's prefix-aware router guide the
+shape (a match threshold below which load alone decides, and a load guard over the match); the
+score in seconds is this project's own, in the same unit as `unit_score`.
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """
@@ -41,7 +49,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tidal_core.routing import choose_unit, unit_score
+from tidal_core.routing import choose_unit, unit_score, would_refuse
 from tidal_core.snapshot import UnitLoad
 
 
@@ -160,23 +168,29 @@ class PrefixAwareRouter:
         if max(matched.values()) < cfg.min_match_fraction * num_prompt_tokens or max(matched.values()) == 0:
             return None
         least_delay = min(u.queue_delay_s for u in units)
-        best, best_score = None, 0.0
+        best, best_key = None, (True, 0.0)
         for u in units:
             if u.queue_delay_s - least_delay > cfg.max_extra_delay_s:
                 continue
             per_token = u.prefill_s_per_token or cfg.prefill_s_per_token
-            score = unit_score(u) + max(0, num_prompt_tokens - matched[u.unit_id]) * per_token
-            if best is None or score < best_score:
-                best, best_score = u.unit_id, score
+            uncached = max(0, num_prompt_tokens - matched[u.unit_id])
+            key = (would_refuse(u, uncached), unit_score(u) + uncached * per_token)
+            if best is None or key < best_key:
+                best, best_key = u.unit_id, key
         return best
 
+    def refused(self, chosen: str, hashes: Sequence[int], cached_tokens: int) -> None:
+        """The prompt `choose` sent to `chosen` (whose index already held its first `cached_tokens`,
+        `last_cached_tokens` then) was not computed there: refused, or sent elsewhere. `chosen`
+        forgets what that choice added and keeps what it held before."""
+        index = self.indexes.get(chosen)
+        if index is not None:
+            index.discard(hashes, cached_tokens // self.config.block_size)
+
     def moved(self, chosen: str, unit_id: str, hashes: Sequence[int], cached_tokens: int) -> None:
-        """The prompt `choose` sent to `chosen` (whose index already held its first `cached_tokens`)
-        went to `unit_id` after all (the caller's transport chose another unit): `chosen` forgets
-        what that choice added, `unit_id` records the prompt."""
-        old = self.indexes.get(chosen)
-        if old is not None:
-            old.discard(hashes, cached_tokens // self.config.block_size)
+        """The prompt `choose` sent to `chosen` went to `unit_id` after all (the caller's transport
+        chose another unit): `chosen` forgets it (`refused`), `unit_id` records it."""
+        self.refused(chosen, hashes, cached_tokens)
         self._index(unit_id).add(hashes)
 
     def forget(self, unit_id: str) -> None:

@@ -37,6 +37,7 @@ class Fleet:
             self._spawn(0.0, 0.0)
         self._serving: list[Unit] = list(self.units.values())
         self.prefix_router: PrefixAwareRouter | None = None
+        self._prefix_choice: tuple[int, int] | None = None  # the router's last choice: (unit, cached tokens)
         if config.routing == "prefix":
             sc = config.scheduler
             self.prefix_router = PrefixAwareRouter(
@@ -56,6 +57,7 @@ class Fleet:
         return self._serving
 
     def route(self, now: float, hashes: Sequence[int] | None = None, num_prompt_tokens: int = 0) -> Unit | None:
+        self._prefix_choice = None
         serving = self._serving
         if len(serving) == 1 and not self.config.autoscale:
             return serving[0]
@@ -71,7 +73,16 @@ class Fleet:
         else:
             uid = router.choose([published_load(u.sched, now, str(u.uid)) for u in serving], hashes,
                                 num_prompt_tokens)
+            if uid is not None:  # what its index recorded, taken back if the unit refuses (`on_refused`)
+                self._prefix_choice = (int(uid), router.last_cached_tokens)
         return self.units[int(uid)] if uid is not None else None
+
+    def on_refused(self, unit: Unit, hashes: Sequence[int]) -> None:
+        """`unit`, just routed a prompt of `hashes`, refused it: the cache-aware router forgets it
+        (`PrefixAwareRouter.refused`; the unit never computed it)."""
+        chosen, self._prefix_choice = self._prefix_choice, None
+        if self.prefix_router is not None and chosen is not None and chosen[0] == unit.uid:
+            self.prefix_router.refused(str(unit.uid), hashes, chosen[1])
 
     def tick(self, now: float) -> list[Unit]:
         """One autoscaling decision; returns units whose engine may need a kick."""

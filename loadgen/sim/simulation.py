@@ -141,6 +141,8 @@ class Simulation:
         req.block_hashes = hashes
         rejection = unit.sched.add_request(req, now) if unit is not None else None
         if unit is None or rejection is not None:
+            if unit is not None and hashes:
+                self.fleet.on_refused(unit, hashes)
             self.rec.status[i] = REJECTED
             if self.retries is not None:
                 self.retries.on_rejected(i, now, rejection)

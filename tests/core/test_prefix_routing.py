@@ -79,3 +79,32 @@ def test_units_without_a_report_of_prefill_speed_use_the_prior_and_unhealthy_uni
 def test_config_names_the_bad_value() -> None:
     with pytest.raises(ValueError, match="min_match_fraction=2"):
         PrefixRoutingConfig(min_match_fraction=2)
+
+
+def test_a_refused_prompt_is_taken_back_and_what_the_unit_held_before_is_kept() -> None:
+    r = PrefixAwareRouter(CFG, random.Random(0))
+    fleet = units(0.0, 0.0)
+    first = r.choose(fleet, prompt(4, 16), 16 * 16)  # turn one, computed where it went
+    assert first is not None and r.last_cached_tokens == 0
+    turn_two = [*prompt(4, 16), *prompt(8, 16)]
+    assert r.choose(fleet, turn_two, 32 * 16) == first and r.last_cached_tokens == 16 * 16
+    r.refused(first, turn_two, r.last_cached_tokens)  # the unit refused turn two: it never computed it
+    ix = r.indexes[first]
+    assert ix.match_blocks(turn_two) == 16 and ix.match_blocks(prompt(4, 16)) == 16
+    r.moved(first, "u9", prompt(4, 16), 0)  # a prompt sent elsewhere after all: forgotten here, kept there
+    assert ix.match_blocks(prompt(4, 16)) == 0 and r.indexes["u9"].match_blocks(prompt(4, 16)) == 16
+
+
+def test_affinity_goes_first_to_a_unit_that_would_admit_the_uncached_part() -> None:
+    r = PrefixAwareRouter(CFG, random.Random(0))
+    hashes = prompt(6, 70)  # 1,120 tokens; "hot" holds 120 of them, "calm" none
+    r.indexes["hot"] = PrefixIndex(CFG.index_blocks, CFG.stride)
+    r.indexes["hot"].add(prompt(6, 8))
+    per_token = 1e-3
+    hot = UnitLoad("hot", 4, 2, 0.5, 0.1, prefill_s_per_token=per_token, ttft_limit_s=1.0)  # 0.5 + 1.0 s: refuses
+    calm = UnitLoad("calm", 4, 2, 0.9, 0.1, prefill_s_per_token=per_token, ttft_limit_s=3.0)  # 0.9 + 1.12 s: admits
+    assert r.choose([hot, calm], hashes, 1120) == "calm"
+    admitting = UnitLoad("hot", 4, 2, 0.5, 0.1, prefill_s_per_token=per_token, ttft_limit_s=2.0)
+    r2 = PrefixAwareRouter(CFG, random.Random(0))
+    r2.indexes["hot"] = r.indexes["hot"]
+    assert r2.choose([admitting, calm], hashes, 1120) == "hot"  # both admit: the lower predicted TTFT

@@ -117,3 +117,21 @@ def test_the_cache_aware_routers_settings_reach_the_fleets_router(cost: CostMode
     assert router.config.index_blocks == spec.base.num_kv_blocks  # the unit's own size is kept
     with pytest.raises(TypeError, match="nearest"):
         Fleet(sim_config(dataclasses.replace(spec, prefix_routing={"nearest": 1.0}), "adaptive"), random.Random(0))
+
+
+def test_a_prompt_the_chosen_unit_refused_leaves_the_routers_index(cost: CostModel) -> None:
+    trace = load_trace("mooncake-conv", hours=0.01).clipped(8191, 8191)
+    fleet = Fleet(sim_config(RunSpec(trace, unit_config(cost), cost, Slo(), units=2, routing="prefix"), "adaptive"),
+                  random.Random(0))
+    router = fleet.prefix_router
+    assert router is not None
+    first = list(range(1000, 1064))  # 64 blocks: a turn, then the next with 64 more
+    unit = fleet.route(0.0, first, 64 * 16)
+    assert unit is not None
+    second = [*first, *range(5000, 5064)]
+    assert fleet.route(0.1, second, 128 * 16) is unit  # affinity: the unit holds the first turn
+    fleet.on_refused(unit, second)
+    index = router.indexes[str(unit.uid)]
+    assert index.match_blocks(second) == 64  # the refused turn is forgotten, the first kept
+    fleet.on_refused(unit, first)  # no choice of the router's pending: nothing is taken back
+    assert index.match_blocks(first) == 64
