@@ -147,6 +147,10 @@ def _admission(t: Targets) -> list[Panel]:
            "over the step model's lower bound (learned median; 1: the bound itself). In OVERLOAD a prompt whose "
            "bound times this passes the TTFT target is refused (prompt_over_target, in Rejections by reason).",
            [Target(Q.gauge(M.SLOW_PROMPT_RATIO), UNIT_LEGEND)], "short", width=6),
+        ts("Costly-prompt limit by unit", "While a unit is over capacity it serves the cheapest requests that fit "
+           "it: the longest prompt (tokens not in its prefix cache) it serves now; longer ones are refused "
+           "(costly_prompt, in Rejections by reason). 0: no limit.",
+           [Target(Q.gauge(M.COSTLY_LIMIT), UNIT_LEGEND)], "short", width=6),
     ]
 
 

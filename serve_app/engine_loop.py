@@ -19,7 +19,7 @@ import contextvars
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 from serve_app.unit_api import UNIT_REPLACED, EngineError, GenerateChunk, GenerateRequest
@@ -180,9 +180,10 @@ class EngineLoop:
                 self.sched.abort(gen.request_id, self.clock())
                 self._wake.set()
 
-    def load(self, now: float, refused_at_door: int = 0) -> UnitLoad:
+    def load(self, now: float, refused_at_door: Sequence[int] = ()) -> UnitLoad:
         """The unit's published snapshot (front-end admission, routing, autoscaling), after counting
-        `refused_at_door` requests a front gate refused since its last poll (`absorb_door_refusals`)."""
+        the requests a front gate refused since its last poll, one prompt estimate each
+        (`refused_at_door`, `absorb_door_refusals`)."""
         absorb_door_refusals(self.sched, now, refused_at_door)
         return published_load(self.sched, now, self.unit_id)
 

@@ -21,7 +21,8 @@ The door's refusals reach the units. A request refused here never reaches a unit
 load (its arrival rate) would see only what the door let through, about its capacity in any
 overload: its regime would stay short of OVERLOAD (the rules it applies there, such as
 `prompt_over_target`, would not) and an autoscaler reading its load and refusals would miss the
-demand turned away. Each poll passes on the refusals since the last one (`load_stats(n)`:
+demand turned away. Each poll passes on the refusals since the last one, with each one's prompt
+estimate (`load_stats(tokens)`:
 tidal_core/front_admission.py `absorb_door_refusals`), and a gate with refusals to pass on polls
 even while verdicts keep its snapshots fresh, at most every `period_s`.
 
@@ -77,6 +78,7 @@ IDLE_POLL_PERIOD_S = 1.0  # between polls while no request comes through the gat
 POLL_TIMEOUT_S = 1.0
 _FORGET_AFTER_S = 60.0  # a unit not heard from for this long (a replaced replica) is dropped
 PENDING_FOR_S = 5.0  # a request let through counts as pending at most this long
+MAX_UNDELIVERED = 4096  # refusals kept for the next poll while none gets through (a unit being rebuilt)
 
 
 @dataclasses.dataclass(eq=False)
@@ -99,7 +101,7 @@ _TICKET: contextvars.ContextVar[_Ticket | None] = contextvars.ContextVar("tidal_
 
 
 class FrontGate:
-    def __init__(self, admission: AdmissionConfig, poll: Callable[[int], Awaitable[UnitLoad]] | None = None, *,
+    def __init__(self, admission: AdmissionConfig, poll: Callable[[list[int]], Awaitable[UnitLoad]] | None = None, *,
                  period_s: float = POLL_PERIOD_S, idle_period_s: float = IDLE_POLL_PERIOD_S,
                  closed: Callable[[], OpenAIError | None] | None = None,
                  pending_for_s: float = PENDING_FOR_S, count_arrivals: bool = False,
@@ -109,7 +111,9 @@ class FrontGate:
         self.spread = RetrySpread(admission.max_retry_after_s)
         self.sightings: dict[str, Sighting] = {}
         self.refused: dict[str, int] = {}
-        self.undelivered = 0  # refusals the next poll passes on to a unit (its load and refusal meter count them)
+        # The refusals the next poll passes on to a unit, one prompt estimate each (its load, refusal meter and
+        # `costly_prompt` sample count them); at most `MAX_UNDELIVERED` while no poll gets through.
+        self.undelivered: list[int] = []
         self._on_refusal = on_refusal  # each 429's reason, e.g. to a counter (`serve_app.metrics.refusal_counter`)
         self._poll = poll
         self._closed = closed  # e.g. a failed unit being rebuilt: 503 at the door
@@ -176,7 +180,7 @@ class FrontGate:
             if self.undelivered or not self._all_fresh(self.clock()):
                 self._requests_since_poll = 0
                 self.num_polls += 1
-                refused, self.undelivered = self.undelivered, 0  # at most once: a failed poll loses them
+                refused, self.undelivered = self.undelivered, []  # at most once: a failed poll loses them
                 try:
                     # `asyncio.timeout`, not `wait_for`: on Python 3.11 a `wait_for` whose inner call has
                     # just finished can swallow the task's cancellation, and `stop()` then waits forever.
@@ -233,7 +237,8 @@ class FrontGate:
         verdict = self.admission.check(self.sightings.values(), now, tokens, waited_s, way)
         if verdict is not None:
             self.refused[verdict.reason] = self.refused.get(verdict.reason, 0) + 1
-            self.undelivered += 1
+            if len(self.undelivered) < MAX_UNDELIVERED:
+                self.undelivered.append(tokens)
             if self._on_refusal is not None:
                 self._on_refusal(verdict.reason)
             return _rate_limited(verdict)

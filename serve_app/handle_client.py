@@ -14,7 +14,7 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, cast
 
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
@@ -66,9 +66,10 @@ class HandleEngineClient:
         return from_engine_error(EngineError.unavailable("engine_recovering", UNIT_REPLACED,
                                                          self.RECOVERING_RETRY_AFTER_S))
 
-    async def load(self, refused_at_door: int = 0) -> UnitLoad:
-        """One unit's published snapshot (the front gate's poll, passing on its refusals since the last)."""
-        return cast(UnitLoad, await self._router.load_stats.remote(refused_at_door))
+    async def load(self, refused_at_door: Sequence[int] = ()) -> UnitLoad:
+        """One unit's published snapshot (the front gate's poll, passing on its refusals since the last,
+        one prompt estimate each)."""
+        return cast(UnitLoad, await self._router.load_stats.remote(list(refused_at_door)))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         if self.recovering:

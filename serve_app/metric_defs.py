@@ -84,6 +84,9 @@ SLOW_PROMPT_RATIO = MetricDef("tidal_admission_slow_prompt_ratio", "gauge",
                               "Learned median of measured TTFT over its lower bound for long prompts admitted with "
                               "nothing ahead; in overload a prompt whose bound times this passes the TTFT target is "
                               "refused (prompt_over_target)")
+COSTLY_LIMIT = MetricDef("tidal_admission_costly_limit_tokens", "gauge",
+                         "Longest uncached prompt the unit serves while over capacity, the cheapest requests "
+                         "first; longer ones are refused (costly_prompt). 0: no limit (at or below capacity)")
 MEASURED_TPOT = MetricDef("tidal_measured_tpot_seconds", "gauge",
                           "Recent mean time per output token the unit measured (0: no decodes lately); the "
                           "autoscaler's hot-unit signal")
@@ -146,7 +149,7 @@ AUTH_FAILURES = MetricDef("tidal_auth_failures", "counter",
 
 ALL_METRICS: tuple[MetricDef, ...] = (
     TTFT, ITL, E2E, QUEUE_TIME, FRONT_DELAY, MICROWAIT, BATCH_SIZE, STEP_TIME, TTFT_PREDICTION,
-    RUNNING, WAITING, KV_USAGE, REGIME, LOAD, CAPACITY, QUEUE_DELAY, ADMISSION_LIMIT, SLOW_PROMPT_RATIO, MEASURED_TPOT,
+    RUNNING, WAITING, KV_USAGE, REGIME, LOAD, CAPACITY, QUEUE_DELAY, ADMISSION_LIMIT, SLOW_PROMPT_RATIO, COSTLY_LIMIT, MEASURED_TPOT,
     PADDING_WASTE,
     UNITS_DESIRED, UNITS_DEMAND, BATCH_WAITING, BATCH_BACKLOG_TOKENS, BATCH_RUNNING,
     DISPATCHES, REJECTIONS, FRONT_REFUSALS, PREEMPTIONS, FINISHED, PROMPT_TOKENS, GENERATION_TOKENS, ARRIVALS,

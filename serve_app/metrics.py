@@ -21,6 +21,7 @@ from ray.util import metrics as ray_metrics
 
 from serve_app import metric_defs as M
 from tidal_core import Request, Scheduler, StepPlan
+from tidal_core.costly_prompts import UNLIMITED
 from tidal_core.regime import REGIME_LEVEL
 
 # The scheduler's cumulative prefix-cache counters (SchedulerStats fields) and their metrics.
@@ -151,6 +152,8 @@ class UnitMetrics:
         m[M.QUEUE_DELAY.name].set(snap.queue_delay_s)
         m[M.ADMISSION_LIMIT.name].set(sched.admission.limit_s(snap.regime))
         m[M.SLOW_PROMPT_RATIO.name].set(sched.admission.alone.value)
+        costly = sched.admission.costly_limit_tokens(snap.regime, sched.load, snap.load)
+        m[M.COSTLY_LIMIT.name].set(costly if costly < UNLIMITED else 0)
         m[M.MEASURED_TPOT.name].set(snap.tpot_s)
         m[M.PADDING_WASTE.name].set(sched.buckets.padding_waste())
         m[M.BATCH_WAITING.name].set(snap.batch_waiting)

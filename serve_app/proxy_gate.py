@@ -184,7 +184,7 @@ class ProxyGateMiddleware:
             handle = serve.get_deployment_handle(UNIT_DEPLOYMENT, app_name=name)
             admission = await handle.admission_config.remote()
 
-            async def poll(refused_at_door: int, handle: Any = handle) -> Any:
+            async def poll(refused_at_door: list[int], handle: Any = handle) -> Any:
                 return await handle.load_stats.remote(refused_at_door)
 
             gate = FrontGate(admission, poll, count_arrivals=True, on_refusal=self._count_refusal)

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ray import serve
@@ -147,10 +147,11 @@ class ServingUnit:
     def _stats(self) -> dict[str, float]:
         return self.loop.load(time.monotonic()).to_stats()
 
-    async def load_stats(self, refused_at_door: int = 0) -> UnitLoad:
+    async def load_stats(self, refused_at_door: Sequence[int] = ()) -> UnitLoad:
         """This unit's published snapshot: what the front gates poll (cheap). A poll passes on the
-        requests its gate refused since the last one, which count in this unit's load and refusals
-        (tidal_core/front_admission.py `absorb_door_refusals`)."""
+        requests its gate refused since the last one, one prompt estimate each, which count in this
+        unit's load, refusals and `costly_prompt` sample (tidal_core/front_admission.py
+        `absorb_door_refusals`)."""
         return self.loop.load(time.monotonic(), refused_at_door)
 
     async def unit_state(self, check: bool = False) -> dict[str, Any]:

@@ -32,7 +32,10 @@ final authority for every request let through:
   inverted by the unit: core/admission.py `AdmissionController.alone_limit_tokens`). The limit
   counts the tokens the unit's prefix cache will not hold, which the front end cannot see, so
   the estimate is scaled by the unit's published `cached_share`; and the time the request
-  waited, which the unit adds, is left out, so this errs towards letting through.
+  waited, which the unit adds, is left out, so this errs towards letting through;
+- `costly_prompt`: the unit is over its capacity and the prompt (its uncached estimate, as
+  above) is longer than the unit's published `costly_limit_tokens`, the longest it serves now
+  (core/costly_prompts.py); retry after the unit's `overload_clear_s`.
 
 Two estimates make the prediction, each learned from the units' verdicts: the prompt's tokens,
 from the body's size (`PromptSizeModel`: each verdict says how many tokens its request's prompt
@@ -60,7 +63,8 @@ estimate (clamped as the unit clamps it); spreading retries over time is `RetryS
 business (tidal_core/retry_spread.py).
 
 `absorb_door_refusals` is the other way: the front end's refusals, counted in the unit's load and
-refusal meter as if they had reached it (Serve's gates pass them on with their polls).
+refusal meter as if they had reached it, with their prompts' estimates in its `costly_prompt`
+sample (Serve's gates pass them on with their polls).
 
 `published_load` is the snapshot a unit publishes for this: `Scheduler.snapshot` with
 `prefill_s_per_token` and `burst_s_per_token` measured as the scheduler's own marginal TTFT
@@ -73,11 +77,12 @@ Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall cl
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from tidal_core.admission import regime_limit_s
+from tidal_core.admission import overload_clear_s, regime_limit_s
 from tidal_core.config import AdmissionConfig
+from tidal_core.costly_prompts import UNLIMITED
 from tidal_core.regime import Regime
 from tidal_core.scheduler import Scheduler
 from tidal_core.snapshot import UnitLoad
@@ -112,25 +117,35 @@ def published_load(sched: Scheduler, now: float, unit_id: str = "") -> UnitLoad:
     burst_tokens = BURST_REQUESTS * _BURST_PROMPT_TOKENS
     with_burst = sched.predicted_queue_delay_s(now, burst_tokens, own_requests=BURST_REQUESTS)
     alone_per_token = sched.view.alone_prefill_s(_PROBE_TOKENS) / _PROBE_TOKENS
+    ratio = sched.load.load(now)
+    costly = sched.admission.costly_limit_tokens(snap.regime, sched.load, ratio)
     return dataclasses.replace(snap, prefill_s_per_token=per_token,
                                burst_s_per_token=max(per_token, (with_burst - snap.queue_delay_s) / burst_tokens),
                                num_arrived=sched.stats.num_arrived,
                                ttft_limit_s=sched.admission.limit_s(snap.regime),
                                alone_limit_tokens=sched.admission.alone_limit_tokens(snap.regime, alone_per_token),
-                               cached_share=sched.stats.prefix_cache_hit_rate)
+                               cached_share=sched.stats.prefix_cache_hit_rate,
+                               costly_limit_tokens=costly if costly < UNLIMITED else 0,
+                               overload_clear_s=overload_clear_s(ratio, sched.load.arrivals.tau_s))
 
 
-def absorb_door_refusals(sched: Scheduler, now: float, num_refused: int) -> None:
-    """`num_refused` requests a front end refused at the door for `sched`'s unit since it last
-    said (`FrontAdmission` refuses only what every unit would): they count as the unit's arrivals
-    in its load estimate and, refused, in its refusal meter, as they would had they reached it.
-    Without this the unit's load saw only what the door let through, about its capacity in any
-    overload, so its regime stayed short of OVERLOAD and an autoscaler reading its load and
-    refusals missed the demand turned away. They do not count in `num_arrived` (the requests on
-    the way) nor in the prompt mean."""
+def absorb_door_refusals(sched: Scheduler, now: float, prompt_tokens: Sequence[int]) -> None:
+    """The requests a front end refused at the door for `sched`'s unit since it last said
+    (`FrontAdmission` refuses only what every unit would), one estimate of its prompt tokens each:
+    they count as the unit's arrivals in its load estimate and, refused, in its refusal meter, as
+    they would had they reached it. Without this the unit's load saw only what the door let
+    through, about its capacity in any overload, so its regime stayed short of OVERLOAD and an
+    autoscaler reading its load and refusals missed the demand turned away. Their prompts, scaled
+    by the unit's cached share, join the `costly_prompt` rule's sample (core/costly_prompts.py: a
+    sample without the long prompts the door refused would lower the limit with every refusal).
+    They do not count in `num_arrived` (the requests on the way) nor in the prompt mean."""
+    num_refused = len(prompt_tokens)
     if num_refused > 0:
         sched.load.arrivals.on_event(now, float(num_refused))
         sched.view.refusals.on_arrival(now, True, float(num_refused))
+        if sched.admission.config.shed_costly_prompts_in_overload:
+            uncached = 1.0 - sched.stats.prefix_cache_hit_rate
+            sched.admission.costly.observe_many(int(n * uncached) for n in prompt_tokens)
 
 
 def price_per_token(load: UnitLoad, num_requests: int) -> float:
@@ -334,12 +349,18 @@ class FrontAdmission:
         # its tokens the unit's prefix cache will not hold (unseen here: the unit's cached share
         # of the prompt tokens it admitted scales the estimate) and without the time it waited
         # (the unit counts it, so this errs towards letting through).
-        if 0 < load.alone_limit_tokens < (uncached := prompt_tokens * (1.0 - load.cached_share)) and ahead_s <= 0.0:
+        uncached = prompt_tokens * (1.0 - load.cached_share)
+        if 0 < load.alone_limit_tokens < uncached and ahead_s <= 0.0:
             alone = cfg.target_ttft_s * uncached / load.alone_limit_tokens
             return self._refuse(load, "prompt_over_target", alone,
                                 f"a prompt of about {prompt_tokens} tokens would take about {alone:.2f}s to its "
                                 f"first token on its own, past the {cfg.target_ttft_s:.2f}s target, and the unit is "
                                 "over capacity")
+        if 0 < load.costly_limit_tokens < uncached:
+            return self._refuse(load, "costly_prompt", load.overload_clear_s,
+                                f"the unit is over capacity and serves the requests that fit it, cheapest first: "
+                                f"a prompt of about {prompt_tokens} tokens is past the {load.costly_limit_tokens} "
+                                "that fit now")
         if load.kv_usage >= cfg.kv_reject_usage and load.num_waiting > 0:
             return self._refuse(load, "kv_pressure", cfg.min_retry_after_s,
                                 f"KV cache is {load.kv_usage:.0%} full and {load.num_waiting} requests wait for room")

@@ -335,13 +335,18 @@ class LoadEstimator:
         kv_batch = self._kv_tokens / per_request if per_request > 0 else float(self.batch_cap)
         return max(1.0, min(float(self.batch_cap), kv_batch))
 
-    def capacity_rps(self) -> float:
-        """Requests per second this unit completes when saturated with the current mix."""
+    def request_fixed_s(self) -> float:
+        """What a request costs at saturation besides its prompt's prefill (`prompt x
+        prefill_s_per_token`): the fixed cost of a prefill step, charged once per request (prompts
+        rarely share one), and its share of the decode steps for the mean output."""
         svc = self.service
         batch = self.effective_batch()
-        # The fixed cost of a prefill step is charged once per request (prompts rarely share one).
-        per_request_s = (self._prompt_mean * svc.prefill_s_per_token + svc.prefill_step_s
-                         + max(1.0, self._output_mean) * (svc.overhead_s + svc.decode_s_per_seq * batch) / batch)
+        decode_s = (svc.overhead_s + svc.decode_s_per_seq * batch) / batch
+        return svc.prefill_step_s + max(1.0, self._output_mean) * decode_s
+
+    def capacity_rps(self) -> float:
+        """Requests per second this unit completes when saturated with the current mix."""
+        per_request_s = self._prompt_mean * self.service.prefill_s_per_token + self.request_fixed_s()
         return 1.0 / per_request_s if per_request_s > 0 else math.inf
 
     def departure_rate(self, now: float) -> float:

@@ -42,6 +42,9 @@ class UnitLoad:
     `prompt_over_target` rule is off); `cached_share` the share of the prompt tokens it admitted
     that its prefix cache held (0: none, or no cache), so a front end that cannot see the cache
     can scale a prompt's tokens to the part the limit counts (core/admission.py).
+    `costly_limit_tokens` is the longest uncached prompt the unit serves while over its capacity
+    (0: no such limit; core/costly_prompts.py) and `overload_clear_s` when its load estimate would
+    fall to 1 if nothing else arrived (a `costly_prompt` refusal's retry-after).
 
     The batch class (core/batch_lane.py) is reported apart so an autoscaler can count
     interactive demand only: `num_waiting`, `queue_delay_s` and `kv_usage` are interactive
@@ -74,6 +77,8 @@ class UnitLoad:
     burst_s_per_token: float = 0.0  # `prefill_s_per_token` for prompts arriving together (0: not published)
     alone_limit_tokens: int = 0  # longest uncached prompt started now with nothing ahead (0: no limit)
     cached_share: float = 0.0  # share of admitted prompt tokens the prefix cache held
+    costly_limit_tokens: int = 0  # longest uncached prompt served now, over capacity (0: no limit)
+    overload_clear_s: float = 0.0  # seconds until the load would decay to 1 with no arrival (0: at or below)
 
     def to_stats(self) -> dict[str, float]:
         """The wire form: floats only (Serve's stats contract); the unit id is the replica's."""
@@ -99,6 +104,8 @@ class UnitLoad:
             "burst_s_per_token": self.burst_s_per_token,
             "alone_limit_tokens": float(self.alone_limit_tokens),
             "cached_share": self.cached_share,
+            "costly_limit_tokens": float(self.costly_limit_tokens),
+            "overload_clear_s": self.overload_clear_s,
         }
 
     @classmethod
@@ -118,7 +125,9 @@ class UnitLoad:
                    ttft_limit_s=float(s.get("ttft_limit_s", 0.0)),
                    burst_s_per_token=float(s.get("burst_s_per_token", 0.0)),
                    alone_limit_tokens=int(s.get("alone_limit_tokens", 0)),
-                   cached_share=float(s.get("cached_share", 0.0)))
+                   cached_share=float(s.get("cached_share", 0.0)),
+                   costly_limit_tokens=int(s.get("costly_limit_tokens", 0)),
+                   overload_clear_s=float(s.get("overload_clear_s", 0.0)))
 
 
 STAT_KEYS: tuple[str, ...] = tuple(UnitLoad("", 0, 0, 0.0, 0.0).to_stats())

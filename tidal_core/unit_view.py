@@ -91,7 +91,8 @@ class UnitView:
         alone = 0.0 if busy else waited + self.alone_prefill_s(req.num_prompt_tokens - req.expected_cached_tokens)
         return UnitState(len(q.waiting), len(q.decodes.reqs), q.blocks.usage() - q.batch_kv_usage(),
                          waited + queue_delay_s, busy, self.regime.regime,
-                         len(q.requests) - len(q.batch) - q.num_batch_running, alone)
+                         len(q.requests) - len(q.batch) - q.num_batch_running, alone, self.load.load(now),
+                         req.num_prompt_tokens - req.expected_cached_tokens)
 
     def alone_prefill_s(self, prompt_tokens: int) -> float:
         """The least time `prompt_tokens` of one prompt take to prefill here if started now: in steps

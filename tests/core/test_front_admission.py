@@ -320,9 +320,9 @@ def test_the_doors_refusals_count_in_the_units_load_so_its_regime_sees_the_overl
         for sched in (told, blind):
             sched.load.arrivals.on_event(now, capacity * 0.05)
             sched._observe(now)  # what every schedule() of a unit with work does each OBSERVE_PERIOD_S
-        absorb_door_refusals(told, now, round(2 * capacity * 0.05 * 10) if step % 10 == 0 else 0)
+        absorb_door_refusals(told, now, [300] * round(2 * capacity * 0.05 * 10) if step % 10 == 0 else [])
     assert blind.current_regime is not Regime.OVERLOAD
     assert told.current_regime is Regime.OVERLOAD
     assert told.view.refusals.fraction(20.0) > 0.5 and told.stats.num_arrived == blind.stats.num_arrived == 0
-    absorb_door_refusals(told, 20.0, 0)  # nothing to count: nothing changes
+    absorb_door_refusals(told, 20.0, [])  # nothing to count: nothing changes
     assert told.stats.num_arrived == 0

@@ -88,7 +88,8 @@ class Harness:
         if rej is None:
             self.accepted.append(rid)
         else:
-            assert rej.retry_after_s >= 0 and rej.reason in {"too_long", "queue_full", "prefill_backlog", "kv_pressure"}
+            assert rej.retry_after_s >= 0 and rej.reason in {"too_long", "queue_full", "prefill_backlog", "kv_pressure",
+                                                             "costly_prompt"}
             assert rej.reason != "too_long" or prompt >= self.cfg.max_model_len
 
     def burst(self, count: int, prompt: int, max_tokens: int) -> None:

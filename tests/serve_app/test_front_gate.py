@@ -351,26 +351,29 @@ def test_the_poll_periods_must_fit_the_snapshots_age_limit() -> None:
 async def test_the_doors_refusals_reach_a_unit_with_the_next_poll_once() -> None:
     """A request refused at the door never reaches a unit: the gate passes its refusals on with its
     next poll, even while verdicts keep its snapshots fresh, and each only once; the unit counts
-    them in its load and refusal meter, not in the requests it received."""
+    them in its load, refusal meter and `costly_prompt` sample, not in the requests it received."""
     clock, passed = Clock(), []
 
-    async def poll(refused_at_door: int = 0) -> UnitLoad:
-        passed.append(refused_at_door)
+    async def poll(refused_at_door: list[int]) -> UnitLoad:
+        passed.append(list(refused_at_door))
         return BUSY
 
     gate = FrontGate(AdmissionConfig(target_ttft_s=1.0), poll, period_s=0.001, idle_period_s=0.001, clock=clock)
     gate.observe(BUSY)  # fresh: without refusals to pass on, no poll (as in the test above)
     for _ in range(7):
         assert contextvars.copy_context().run(gate.refusal, 100) is not None
-    assert gate.undelivered == 7
+    assert len(gate.undelivered) == 7 and all(n > 0 for n in gate.undelivered)  # each one's prompt estimate
+    estimates = list(gate.undelivered)
     gate.start()
-    await _until(lambda: sum(passed) == 7)
+    await _until(lambda: sum(map(len, passed)) == 7)
     await asyncio.sleep(0.05)
-    assert gate.undelivered == 0 and sum(passed) == 7 and passed[0] == 7 and len(passed) == 1
+    assert gate.undelivered == [] and passed == [estimates]
     await gate.stop()
 
     sched = Scheduler(preset("adaptive", CFG))
     loop = EngineLoop(sched, AsyncFake(step_s=0.01), unit_id="u9")
     before = loop.load(10.0)
-    after = loop.load(10.0, refused_at_door=50)
+    seen = sched.admission.costly.num_seen
+    after = loop.load(10.0, refused_at_door=[300] * 50)
     assert after.load > before.load and after.refused_fraction == 1.0 and after.num_arrived == before.num_arrived
+    assert sched.admission.costly.num_seen == seen + 50
