@@ -58,7 +58,8 @@ PATHS: dict[str, tuple[str, dict[str, str], int, str | None]] = {
 }
 
 
-ADMISSION_CODES = ("queue_full", "prefill_backlog", "prompt_over_target", "kv_pressure", "router_queue_full")
+ADMISSION_CODES = ("queue_full", "prefill_backlog", "prompt_over_target", "costly_prompt", "kv_pressure",
+                   "router_queue_full")
 
 
 async def one(client: httpx.AsyncClient, url: str, path: str) -> tuple[float, str, bool]:

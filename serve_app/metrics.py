@@ -152,7 +152,7 @@ class UnitMetrics:
         m[M.QUEUE_DELAY.name].set(snap.queue_delay_s)
         m[M.ADMISSION_LIMIT.name].set(sched.admission.limit_s(snap.regime))
         m[M.SLOW_PROMPT_RATIO.name].set(sched.admission.alone.value)
-        costly = sched.admission.costly_limit_tokens(snap.regime, sched.load, snap.load)
+        costly = sched.admission.costly_limit_tokens(snap.regime, sched.load, sched.load.overload(now)[0])
         m[M.COSTLY_LIMIT.name].set(costly if costly < UNLIMITED else 0)
         m[M.MEASURED_TPOT.name].set(snap.tpot_s)
         m[M.PADDING_WASTE.name].set(sched.buckets.padding_waste())

@@ -27,10 +27,10 @@ Owns: `AdmissionController.check`. Rules, in order, each with its metric label:
   8k tokens, 1.17 s of prefill alone: 34% of the admitted missed 1 s and goodput halved;
   benchmarks/RESULTS.md, "Prompts too slow for the target, in overload").
   Outside OVERLOAD it is served, late (nothing is ahead of it, no unit could serve it sooner);
-- `costly_prompt` (with `shed_costly_prompts_in_overload`, the default): in OVERLOAD, with the
-  load above 1, the request's uncached prompt is longer than the limit up to which the recent
-  arrivals' cost fits the capacity (core/costly_prompts.py): serving the cheapest requests
-  first serves the most within the SLO;
+- `costly_prompt` (with `shed_costly_prompts_in_overload`, off by default): in OVERLOAD, with the
+  current load above 1 (`LoadEstimator.overload`), the request's uncached prompt is longer than
+  the limit up to which the recent arrivals' cost fits the capacity (core/costly_prompts.py):
+  serving the cheapest requests first serves the most within the SLO;
 - `kv_pressure`: KV usage is at `kv_reject_usage` and requests already wait for room.
 
 The aim (`TtftAim`, a fraction of the limit) is learned from the first tokens of the requests
@@ -53,15 +53,14 @@ The retry-after estimate is the time until the rule would admit again if nothing
 arrived: the predicted delay above the target, the queue over the service rate, or one mean
 decode span for KV; for `prompt_over_target`, when the unit leaves OVERLOAD, which nothing at
 arrival foretells, so its own estimated TTFT (a retry is refused again while the overload lasts);
-for `costly_prompt`, when the load estimate would decay to 1 if nothing else arrived
-(`overload_clear_s`). It is clamped to [min_retry_after_s, max_retry_after_s].
+for `costly_prompt`, when the current load would fall to 1 if nothing else arrived
+(`LoadEstimator.overload`). It is clamped to [min_retry_after_s, max_retry_after_s].
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from tidal_core.config import AdmissionConfig
@@ -80,8 +79,9 @@ class UnitState:
     (queueing plus its own prefill; one definition: `Scheduler.predicted_queue_delay_s`).
     `work_ahead` is False on a unit that would start the request at once; then `alone_ttft_s` is
     a lower bound of its TTFT (the time it already waited plus `UnitView.alone_prefill_s`), else 0.
-    `load_ratio` is the unit's load (arrival rate / capacity, core/load.py) and `uncached_tokens`
-    the request's prompt tokens its prefix cache does not hold (the `costly_prompt` rule's).
+    `overload_ratio` and `overload_clear_s` are `LoadEstimator.overload` (the current load, and when
+    it would fall to 1) and `uncached_tokens` the request's prompt tokens its prefix cache does not
+    hold: the `costly_prompt` rule's.
     """
 
     num_waiting: int
@@ -92,7 +92,8 @@ class UnitState:
     regime: Regime
     num_in_system: int = 0
     alone_ttft_s: float = 0.0
-    load_ratio: float = 0.0
+    overload_ratio: float = 0.0
+    overload_clear_s: float = 0.0
     uncached_tokens: int = 0
 
 
@@ -165,12 +166,6 @@ class AloneFit:
             self.value = value if value < self.CEILING else self.CEILING
 
 
-def overload_clear_s(load_ratio: float, tau_s: float) -> float:
-    """Seconds until a load estimate of `load_ratio` (time constant `tau_s`) decays to 1 if nothing
-    else arrives; 0 at or below 1."""
-    return tau_s * math.log(load_ratio) if load_ratio > 1.0 else 0.0
-
-
 class AdmissionController:
     __slots__ = ("aim", "alone", "config", "costly", "judges_ttft", "max_model_len")
 
@@ -212,13 +207,13 @@ class AdmissionController:
         limit = cfg.target_ttft_s / (self.alone.value * bound_s_per_token)
         return int(limit) if limit < self.max_model_len else 0
 
-    def costly_limit_tokens(self, regime: Regime, load: LoadEstimator, load_ratio: float) -> int:
+    def costly_limit_tokens(self, regime: Regime, load: LoadEstimator, overload_ratio: float) -> int:
         """The `costly_prompt` rule's longest uncached prompt now: `CostlyPrompts.limit_tokens` in
         OVERLOAD (`UNLIMITED` where the rule refuses none: it is off, admission judges no TTFT,
         the unit is not in OVERLOAD or can serve every request)."""
         if not (self.config.shed_costly_prompts_in_overload and self.judges_ttft and regime is Regime.OVERLOAD):
             return UNLIMITED
-        return self.costly.limit_tokens(load_ratio, load.service.prefill_s_per_token, load.request_fixed_s())
+        return self.costly.limit_tokens(overload_ratio, load.service.prefill_s_per_token, load.request_fixed_s())
 
     def check_length(self, req: Request) -> Rejection | None:
         if req.num_prompt_tokens + 1 > self.max_model_len:
@@ -245,10 +240,9 @@ class AdmissionController:
             return None
         if cfg.shed_costly_prompts_in_overload:
             self.costly.observe(state.uncached_tokens)
-            limit = self.costly_limit_tokens(state.regime, load, state.load_ratio)
+            limit = self.costly_limit_tokens(state.regime, load, state.overload_ratio)
             if state.uncached_tokens > limit:
-                clear = overload_clear_s(state.load_ratio, load.arrivals.tau_s)
-                return self._reject(req, "costly_prompt", clear,
+                return self._reject(req, "costly_prompt", state.overload_clear_s,
                                     f"the unit is over capacity and serves the requests that fit it, cheapest "
                                     f"first: a prompt of {state.uncached_tokens} tokens not in its cache is past "
                                     f"the {limit} that fit now")

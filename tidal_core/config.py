@@ -125,9 +125,10 @@ class AdmissionConfig:
     With `refuse_slow_prompts_in_overload` (the default), a request whose own TTFT would pass
     `target_ttft_s` with nothing ahead of it is refused in OVERLOAD (`prompt_over_target`) and
     served otherwise; off, a request nothing is ahead of is always admitted (core/admission.py).
-    With `shed_costly_prompts_in_overload` (the default), a unit over its capacity refuses the
+    With `shed_costly_prompts_in_overload` (off by default), a unit over its capacity refuses the
     prompts too costly to fit beside the cheaper ones (`costly_prompt`, core/costly_prompts.py):
-    it serves the most requests within the SLO; off, a long prompt competes with the rest.
+    in a sustained overload it serves the most requests within the SLO; off, a long prompt
+    competes with the rest (after a burst, retrying clients' long prompts get in).
 
     Two plain caps apply whether or not `enabled` is set (the baselines users run):
     `max_concurrent_requests` on requests in the unit (TGI's limit) and `max_queued_requests`
@@ -150,7 +151,7 @@ class AdmissionConfig:
     aim_tail: float = 0.05
     aim_floor: float = 0.5
     refuse_slow_prompts_in_overload: bool = True
-    shed_costly_prompts_in_overload: bool = True
+    shed_costly_prompts_in_overload: bool = False
 
     def __post_init__(self) -> None:
         _require(self.mode in ADMISSION_MODES,

@@ -2,10 +2,12 @@
 within the SLO by serving the cheapest.
 
 Owns: `CostlyPrompts`, the limit behind admission's `costly_prompt` rule (core/admission.py,
-`admission.shed_costly_prompts_in_overload`, on by default).
+`admission.shed_costly_prompts_in_overload`, off by default).
 
-A unit whose load (core/load.py: the arrival rate over its capacity) is above 1 cannot serve
-every request; goodput counts requests, and what a request costs is GPU time. At saturation a
+A unit whose load (core/load.py: the arrival rate over its capacity, `LoadEstimator.overload`:
+the smaller of the load over the last 2 s and over `load_tau_s`, so the overload is current and
+has lasted; the seconds after a burst, which hold the slower load above 1, shed nothing) is
+above 1 cannot serve every request; goodput counts requests, and what a request costs is GPU time. At saturation a
 request of `p` uncached prompt tokens costs `p x a + c`: its prompt's prefill at `a` seconds a
 token, plus the fixed cost of a prefill step and its share of the decode steps for the mean
 output (`LoadEstimator.request_cost_s`, the terms of the capacity estimate). Serving the
@@ -20,11 +22,12 @@ ones included (a front gate passes on the prompt estimates of those it refused a
 its backlog rule refuses, and the limit would fall with every refusal). It is kept sorted as it
 comes and the limit recomputed every `REFRESH` arrivals, a pass over `KEPT` lengths.
 
-What it trades: in an overload a long prompt is refused where a shorter one is served (a
-client's retry is refused again while the overload lasts). One A100 70B unit on the Mooncake
-trace at 3x its rate serves 28% more requests within the SLO with it, on Azure conversation at
-3x 24% more (benchmarks/RESULTS.md, "The costliest prompts, shed in overload"). A deployment
-whose requests are worth their tokens rather than one each turns it off.
+What it trades: in an overload a long prompt is refused where a shorter one is served, and a
+client's retry is refused again while the overload lasts. On the simulator's sustained overloads
+one A100 70B unit serves up to a quarter more requests within the SLO with it; in Serve's bursts
+with retrying `openai` clients fewer requests were served in the end, the long prompts' retries
+turned away again while the retry waves held the unit over capacity, which is why it is off by
+default (benchmarks/RESULTS.md, "The costliest prompts, shed in overload").
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """

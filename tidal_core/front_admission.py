@@ -33,9 +33,10 @@ final authority for every request let through:
   counts the tokens the unit's prefix cache will not hold, which the front end cannot see, so
   the estimate is scaled by the unit's published `cached_share`; and the time the request
   waited, which the unit adds, is left out, so this errs towards letting through;
-- `costly_prompt`: the unit is over its capacity and the prompt (its uncached estimate, as
-  above) is longer than the unit's published `costly_limit_tokens`, the longest it serves now
-  (core/costly_prompts.py); retry after the unit's `overload_clear_s`.
+- `costly_prompt` (checked right after `queue_full`, in the unit's order): the unit is over its
+  capacity and the prompt (its uncached estimate, as above) is longer than the unit's published
+  `costly_limit_tokens`, the longest it serves now (core/costly_prompts.py); retry after the
+  unit's `overload_clear_s`.
 
 Two estimates make the prediction, each learned from the units' verdicts: the prompt's tokens,
 from the body's size (`PromptSizeModel`: each verdict says how many tokens its request's prompt
@@ -80,7 +81,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from tidal_core.admission import overload_clear_s, regime_limit_s
+from tidal_core.admission import regime_limit_s
 from tidal_core.config import AdmissionConfig
 from tidal_core.costly_prompts import UNLIMITED
 from tidal_core.regime import Regime
@@ -117,7 +118,7 @@ def published_load(sched: Scheduler, now: float, unit_id: str = "") -> UnitLoad:
     burst_tokens = BURST_REQUESTS * _BURST_PROMPT_TOKENS
     with_burst = sched.predicted_queue_delay_s(now, burst_tokens, own_requests=BURST_REQUESTS)
     alone_per_token = sched.view.alone_prefill_s(_PROBE_TOKENS) / _PROBE_TOKENS
-    ratio = sched.load.load(now)
+    ratio, clear = sched.load.overload(now)
     costly = sched.admission.costly_limit_tokens(snap.regime, sched.load, ratio)
     return dataclasses.replace(snap, prefill_s_per_token=per_token,
                                burst_s_per_token=max(per_token, (with_burst - snap.queue_delay_s) / burst_tokens),
@@ -126,7 +127,7 @@ def published_load(sched: Scheduler, now: float, unit_id: str = "") -> UnitLoad:
                                alone_limit_tokens=sched.admission.alone_limit_tokens(snap.regime, alone_per_token),
                                cached_share=sched.stats.prefix_cache_hit_rate,
                                costly_limit_tokens=costly if costly < UNLIMITED else 0,
-                               overload_clear_s=overload_clear_s(ratio, sched.load.arrivals.tau_s))
+                               overload_clear_s=clear)
 
 
 def absorb_door_refusals(sched: Scheduler, now: float, prompt_tokens: Sequence[int]) -> None:
@@ -141,7 +142,7 @@ def absorb_door_refusals(sched: Scheduler, now: float, prompt_tokens: Sequence[i
     They do not count in `num_arrived` (the requests on the way) nor in the prompt mean."""
     num_refused = len(prompt_tokens)
     if num_refused > 0:
-        sched.load.arrivals.on_event(now, float(num_refused))
+        sched.load.on_arrivals_elsewhere(now, float(num_refused))
         sched.view.refusals.on_arrival(now, True, float(num_refused))
         if sched.admission.config.shed_costly_prompts_in_overload:
             uncached = 1.0 - sched.stats.prefix_cache_hit_rate
@@ -326,6 +327,15 @@ class FrontAdmission:
                                 f"{load.num_waiting} requests are already queued (limit {cfg.max_queue_len})")
         if cfg.mode == "protect":  # a dev server queues: only a full queue is refused, as the unit does
             return None
+        # The unit's own rules' order: over capacity, a prompt past the costliest it serves now, by
+        # its tokens the unit's prefix cache will not hold (unseen here: the unit's cached share of
+        # the prompt tokens it admitted scales the estimate).
+        uncached = prompt_tokens * (1.0 - load.cached_share)
+        if 0 < load.costly_limit_tokens < uncached:
+            return self._refuse(load, "costly_prompt", load.overload_clear_s,
+                                f"the unit is over capacity and serves the requests that fit it, cheapest first: "
+                                f"a prompt of about {prompt_tokens} tokens is past the {load.costly_limit_tokens} "
+                                "that fit now")
         # The snapshot's queue drained since (at most in real time), then what was sent since, which
         # cannot start before the oldest of it arrives; the sent prompts and this one priced as a
         # burst of them (each one a decode in the steps of the prompts behind it), as the unit will
@@ -349,18 +359,12 @@ class FrontAdmission:
         # its tokens the unit's prefix cache will not hold (unseen here: the unit's cached share
         # of the prompt tokens it admitted scales the estimate) and without the time it waited
         # (the unit counts it, so this errs towards letting through).
-        uncached = prompt_tokens * (1.0 - load.cached_share)
         if 0 < load.alone_limit_tokens < uncached and ahead_s <= 0.0:
             alone = cfg.target_ttft_s * uncached / load.alone_limit_tokens
             return self._refuse(load, "prompt_over_target", alone,
                                 f"a prompt of about {prompt_tokens} tokens would take about {alone:.2f}s to its "
                                 f"first token on its own, past the {cfg.target_ttft_s:.2f}s target, and the unit is "
                                 "over capacity")
-        if 0 < load.costly_limit_tokens < uncached:
-            return self._refuse(load, "costly_prompt", load.overload_clear_s,
-                                f"the unit is over capacity and serves the requests that fit it, cheapest first: "
-                                f"a prompt of about {prompt_tokens} tokens is past the {load.costly_limit_tokens} "
-                                "that fit now")
         if load.kv_usage >= cfg.kv_reject_usage and load.num_waiting > 0:
             return self._refuse(load, "kv_pressure", cfg.min_retry_after_s,
                                 f"KV cache is {load.kv_usage:.0%} full and {load.num_waiting} requests wait for room")

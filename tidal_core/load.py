@@ -37,6 +37,8 @@ _MIN_STEP_TOKENS = 16.0  # a step holds at least this much prompt beside its dec
 
 OUTPUT_GUESS = 256
 """Output tokens expected of a request without max_tokens before any request has finished."""
+RECENT_TAU_S = 2.0
+"""Time constant (s) of the recent arrival rate beside the load's `load_tau_s` (`LoadEstimator.overload`)."""
 LENGTHS_KEPT = 512
 MIN_FINISHED = 16
 
@@ -282,12 +284,14 @@ class LoadEstimator:
         "finishes",
         "lengths",
         "prefill",
+        "recent",
         "service",
         "ttft_correction",
     )
 
     def __init__(self, tau_s: float, prior: ServicePrior, max_batch_size: int, kv_tokens: int) -> None:
         self.arrivals = RateEstimator(tau_s)
+        self.recent = RateEstimator(RECENT_TAU_S)  # the same arrivals over the last seconds (`overload`)
         self.finishes = RateEstimator(tau_s)
         self.lengths = OutputLengths()  # the slot wait's distribution (core/departures.py)
         self.prefill = PrefillThroughput(tau_s)
@@ -304,6 +308,7 @@ class LoadEstimator:
         first = self._num_arrivals == 0
         self._num_arrivals += 1
         self.arrivals.on_event(now)
+        self.recent.on_event(now)
         self._prompt_mean = num_prompt_tokens if first else 0.95 * self._prompt_mean + 0.05 * num_prompt_tokens
         if not self._have_finished:
             # Until a request finishes, max_tokens is the only hint of output length.
@@ -360,3 +365,21 @@ class LoadEstimator:
         if rate == 0.0:
             return 0.0
         return rate / self.capacity_rps()
+
+    def on_arrivals_elsewhere(self, now: float, count: float) -> None:
+        """`count` arrivals this unit did not receive (a front gate refused them for it): counted in
+        the arrival rates, not in the prompt mean."""
+        self.arrivals.on_event(now, count)
+        self.recent.on_event(now, count)
+
+    def overload(self, now: float) -> tuple[float, float]:
+        """(ratio, seconds to clear): the load over the last `RECENT_TAU_S` seconds and over `tau_s`,
+        whichever is smaller, and how long until it would fall to 1 if nothing else arrived (0 at or
+        below 1). An overload that is over, such as the seconds after a burst, leaves the slow load
+        above 1 for `tau_s x ln(load)` while the recent one has fallen; one that only just began has
+        not yet raised the slow one. What the `costly_prompt` rule sheds for (core/costly_prompts.py)."""
+        capacity = self.capacity_rps()
+        slow, fast = self.arrivals.rate(now) / capacity, self.recent.rate(now) / capacity
+        clear = min(self.arrivals.tau_s * math.log(slow) if slow > 1.0 else 0.0,
+                    RECENT_TAU_S * math.log(fast) if fast > 1.0 else 0.0)
+        return min(slow, fast), clear

@@ -89,9 +89,10 @@ class UnitView:
         waited = max(0.0, now - req.arrival_s)
         # Nothing ahead: the bound admission's `prompt_over_target` rule judges (and learns) by.
         alone = 0.0 if busy else waited + self.alone_prefill_s(req.num_prompt_tokens - req.expected_cached_tokens)
+        ratio, clear = self.load.overload(now)
         return UnitState(len(q.waiting), len(q.decodes.reqs), q.blocks.usage() - q.batch_kv_usage(),
                          waited + queue_delay_s, busy, self.regime.regime,
-                         len(q.requests) - len(q.batch) - q.num_batch_running, alone, self.load.load(now),
+                         len(q.requests) - len(q.batch) - q.num_batch_running, alone, ratio, clear,
                          req.num_prompt_tokens - req.expected_cached_tokens)
 
     def alone_prefill_s(self, prompt_tokens: int) -> float:

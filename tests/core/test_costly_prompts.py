@@ -23,9 +23,9 @@ from tidal_core import (
     ServicePrior,
     preset,
 )
-from tidal_core.admission import overload_clear_s
 from tidal_core.costly_prompts import UNLIMITED, CostlyPrompts
 from tidal_core.front_admission import FrontAdmission, Sighting, absorb_door_refusals, published_load
+from tidal_core.load import RECENT_TAU_S
 
 
 def test_the_limit_is_the_longest_prompt_whose_cheaper_arrivals_fit_the_capacity() -> None:
@@ -60,6 +60,7 @@ def test_the_limit_is_refreshed_every_few_arrivals_not_every_one() -> None:
 
 
 def _unit(**admission: object) -> Scheduler:
+    admission = {"shed_costly_prompts_in_overload": True, **admission}  # the rule is off by default
     cfg = preset("adaptive", SchedulerConfig(max_batch_size=8, max_num_batched_tokens=512, num_kv_blocks=1024,
                                              block_size=16, max_model_len=8192,
                                              service_prior=ServicePrior(0.05, 0.001, 0.001)),
@@ -75,7 +76,7 @@ def _overloaded(load: float = 30.0, **admission: object) -> Scheduler:
         unit.load.on_arrival(0.0, n, 16)
         unit.admission.costly.observe(n)
     capacity = unit.load.capacity_rps()
-    unit.load.arrivals.on_event(0.0, load * capacity * unit.config.load_tau_s - 128)
+    unit.load.on_arrivals_elsewhere(0.0, load * capacity * unit.config.load_tau_s - 128)
     unit.regime.regime = Regime.OVERLOAD
     return unit
 
@@ -83,12 +84,28 @@ def _overloaded(load: float = 30.0, **admission: object) -> Scheduler:
 def test_over_capacity_a_costly_prompt_is_refused_until_the_overload_would_clear() -> None:
     unit = _overloaded()
     rejection = unit.add_request(Request("long", 4000, SamplingParams(max_tokens=16), 0.0), 0.0)
-    load = unit.load.load(0.0)  # with this arrival counted, as admission judged it
-    assert load > 1.0 and rejection is not None and rejection.reason == "costly_prompt" and rejection.retryable
-    assert rejection.retry_after_s == pytest.approx(unit.config.load_tau_s * math.log(load), rel=1e-6)
+    ratio, clear = unit.load.overload(0.0)  # with this arrival counted, as admission judged it
+    assert ratio > 1.0 and rejection is not None and rejection.reason == "costly_prompt" and rejection.retryable
+    assert rejection.retry_after_s == pytest.approx(clear, rel=1e-6)
     assert "over capacity" in rejection.message and unit.stats.rejected["costly_prompt"] == 1
     assert unit.add_request(Request("short", 100, SamplingParams(max_tokens=16), 0.0), 0.0) is None
-    assert overload_clear_s(0.9, 10.0) == 0.0
+
+
+
+def test_the_overload_it_sheds_for_is_current_and_has_lasted() -> None:
+    """The smaller of the load over the last seconds and over `load_tau_s`: seconds after a burst
+    the slow load is still far above 1 and the recent one has fallen; and when it would clear."""
+    unit = _unit()
+    capacity, tau = unit.load.capacity_rps(), unit.config.load_tau_s
+    unit.load.on_arrivals_elsewhere(0.0, 20 * capacity * tau)  # a burst: 20x capacity over the last tau
+    ratio, clear = unit.load.overload(0.0)
+    assert ratio == pytest.approx(20.0, rel=1e-6)  # the slow one: the recent one counts the same burst over 2 s
+    assert clear == pytest.approx(min(tau * math.log(20.0), RECENT_TAU_S * math.log(20 * tau / RECENT_TAU_S)))
+    later = 4 * RECENT_TAU_S  # nothing since: the recent load has fallen by e^4, the slow one by e^0.8
+    slow = unit.load.load(later)
+    ratio, clear = unit.load.overload(later)
+    assert slow > 5.0 and ratio < slow and clear < tau * math.log(slow)
+    assert unit.load.overload(10 * tau) == (pytest.approx(0.0, abs=1e-6), 0.0)
 
 
 def test_at_capacity_with_the_rule_off_or_in_protect_mode_a_long_prompt_is_not_shed() -> None:
@@ -112,6 +129,8 @@ def test_the_unit_publishes_the_limit_and_the_gate_refuses_by_it_and_counts_the_
     assert front.check([Sighting(load, 0.0)], 0.0, 100) is None
     idle = published_load(_unit(), 0.0, "v")
     assert idle.costly_limit_tokens == 0 and idle.overload_clear_s == 0.0
+    assert published_load(_overloaded(shed_costly_prompts_in_overload=False), 0.0).costly_limit_tokens == 0
+    assert not AdmissionConfig().shed_costly_prompts_in_overload  # off unless a deployment turns it on
     seen = unit.admission.costly.num_seen
     absorb_door_refusals(unit, 0.0, [4000, 5000, 6000])
     assert unit.admission.costly.num_seen == seen + 3

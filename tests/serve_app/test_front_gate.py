@@ -370,10 +370,12 @@ async def test_the_doors_refusals_reach_a_unit_with_the_next_poll_once() -> None
     assert gate.undelivered == [] and passed == [estimates]
     await gate.stop()
 
-    sched = Scheduler(preset("adaptive", CFG))
+    cfg = preset("adaptive", CFG)
+    sched = Scheduler(dataclasses.replace(cfg, admission=dataclasses.replace(cfg.admission,
+                                                                             shed_costly_prompts_in_overload=True)))
     loop = EngineLoop(sched, AsyncFake(step_s=0.01), unit_id="u9")
     before = loop.load(10.0)
     seen = sched.admission.costly.num_seen
     after = loop.load(10.0, refused_at_door=[300] * 50)
     assert after.load > before.load and after.refused_fraction == 1.0 and after.num_arrived == before.num_arrived
-    assert sched.admission.costly.num_seen == seen + 50
+    assert sched.admission.costly.num_seen == seen + 50  # the `costly_prompt` sample, where the rule is on
