@@ -34,8 +34,9 @@ Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall cl
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterable
+
+from tidal_core.sorted_window import SortedWindow
 
 UNLIMITED = 1 << 30
 """The limit while the unit can serve every request (or has seen too few to judge)."""
@@ -45,27 +46,21 @@ class CostlyPrompts:
     KEPT = 512
     REFRESH = 16
     MIN_SEEN = 32
-    __slots__ = ("_kept", "_limit", "_sorted", "_stale", "num_seen")
+    __slots__ = ("_limit", "_stale", "_window")
 
     def __init__(self) -> None:
-        self._kept: list[int] = []
-        self._sorted: list[int] = []
-        self.num_seen = 0
+        self._window = SortedWindow(self.KEPT)
         self._limit = UNLIMITED
         self._stale = True  # the limit is recomputed at the next `limit_tokens`
 
+    @property
+    def num_seen(self) -> int:
+        return self._window.count
+
     def observe(self, uncached_tokens: int) -> None:
         """An interactive arrival of `uncached_tokens` prompt tokens its unit's cache does not hold."""
-        kept, ordered = self._kept, self._sorted
-        if len(kept) < self.KEPT:
-            kept.append(uncached_tokens)
-        else:
-            slot = self.num_seen % self.KEPT
-            del ordered[bisect.bisect_left(ordered, kept[slot])]
-            kept[slot] = uncached_tokens
-        bisect.insort(ordered, uncached_tokens)
-        self.num_seen += 1
-        if self.num_seen % self.REFRESH == 0:
+        self._window.add(uncached_tokens)
+        if self._window.count % self.REFRESH == 0:
             self._stale = True
 
     def observe_many(self, uncached_tokens: Iterable[int]) -> None:
@@ -76,7 +71,7 @@ class CostlyPrompts:
         """The longest uncached prompt the unit serves at `load_ratio` (arrival rate / capacity),
         each request costing `tokens x s_per_token + fixed_s`: `UNLIMITED` at or below 1, before
         `MIN_SEEN` arrivals, or where the whole sample fits."""
-        if load_ratio <= 1.0 or len(self._sorted) < self.MIN_SEEN:
+        if load_ratio <= 1.0 or len(self._window.values) < self.MIN_SEEN:
             self._stale = True  # judged afresh when the overload (or the sample) comes
             return UNLIMITED
         if self._stale:
@@ -85,7 +80,7 @@ class CostlyPrompts:
         return self._limit
 
     def _compute(self, load_ratio: float, s_per_token: float, fixed_s: float) -> int:
-        ordered = self._sorted
+        ordered = self._window.values
         budget = (sum(ordered) * s_per_token + len(ordered) * fixed_s) / load_ratio
         spent, limit = 0.0, 0
         for n in ordered:

@@ -25,10 +25,10 @@ Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall cl
 
 from __future__ import annotations
 
-import bisect
 import math
 
 from tidal_core.config import ServicePrior
+from tidal_core.sorted_window import SortedWindow
 
 _P_SCALE = 1000.0  # prefill tokens are fitted per 1000 and decode seqs per 100, for conditioning
 _D_SCALE = 100.0
@@ -43,31 +43,25 @@ LENGTHS_KEPT = 512
 MIN_FINISHED = 16
 
 
-class OutputLengths:
+class OutputLengths(SortedWindow):
     """The output lengths of the last `LENGTHS_KEPT` finished requests, kept sorted as they come
     (`sorted` is None until `MIN_FINISHED` have finished)."""
 
-    __slots__ = ("_kept", "_sorted", "num_finished")
+    __slots__ = ()
 
     def __init__(self) -> None:
-        self._kept: list[int] = []
-        self._sorted: list[int] = []
-        self.num_finished = 0
+        super().__init__(LENGTHS_KEPT)
+
+    @property
+    def num_finished(self) -> int:
+        return self.count
 
     @property
     def sorted(self) -> list[int] | None:
-        return self._sorted if self.num_finished >= MIN_FINISHED else None
+        return self.values if self.count >= MIN_FINISHED else None
 
     def on_finish(self, num_output_tokens: int) -> None:
-        kept, ordered = self._kept, self._sorted
-        if len(kept) < LENGTHS_KEPT:
-            kept.append(num_output_tokens)
-        else:
-            slot = self.num_finished % LENGTHS_KEPT
-            del ordered[bisect.bisect_left(ordered, kept[slot])]
-            kept[slot] = num_output_tokens
-        bisect.insort(ordered, num_output_tokens)
-        self.num_finished += 1
+        self.add(num_output_tokens)
 
 
 class RateEstimator:

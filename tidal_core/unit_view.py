@@ -34,8 +34,8 @@ from tidal_core.tpot_meter import TpotMeter
 
 
 class UnitView:
-    __slots__ = ("_max_tokens", "_target_tpot_s", "departures", "lane", "limits", "load", "predictor", "queues",
-                 "refusals", "regime", "tpot")
+    __slots__ = ("_max_tokens", "_sheds_costly", "_target_tpot_s", "departures", "lane", "limits", "load", "predictor",
+                 "queues", "refusals", "regime", "tpot")
 
     def __init__(self, config: SchedulerConfig, queues: UnitQueues, load: LoadEstimator, predictor: TtftPredictor,
                  regime: RegimeDetector, limits: StepLimits, tpot: TpotMeter, lane: BatchLane | None = None,
@@ -47,6 +47,7 @@ class UnitView:
         self.departures = DepartureForecast(queues, load, tpot)
         self._max_tokens = config.max_num_batched_tokens
         self._target_tpot_s = config.admission.target_tpot_s or 0.0
+        self._sheds_costly = config.admission.shed_costly_prompts_in_overload  # only its rule reads the overload
 
     def backlog_prefill_tokens(self) -> int:
         """Interactive prompt tokens not yet computed: waiting prompts plus unfinished chunks
@@ -88,12 +89,12 @@ class UnitView:
         busy = bool(q.waiting) or q.prefill_remaining > q.batch_prefill_remaining or running >= self.limits.running_cap
         waited = max(0.0, now - req.arrival_s)
         # Nothing ahead: the bound admission's `prompt_over_target` rule judges (and learns) by.
-        alone = 0.0 if busy else waited + self.alone_prefill_s(req.num_prompt_tokens - req.expected_cached_tokens)
-        ratio, clear = self.load.overload(now)
+        uncached = req.num_prompt_tokens - req.expected_cached_tokens
+        alone = 0.0 if busy else waited + self.alone_prefill_s(uncached)
+        ratio, clear = self.load.overload(now) if self._sheds_costly else (0.0, 0.0)
         return UnitState(len(q.waiting), len(q.decodes.reqs), q.blocks.usage() - q.batch_kv_usage(),
                          waited + queue_delay_s, busy, self.regime.regime,
-                         len(q.requests) - len(q.batch) - q.num_batch_running, alone, ratio, clear,
-                         req.num_prompt_tokens - req.expected_cached_tokens)
+                         len(q.requests) - len(q.batch) - q.num_batch_running, alone, ratio, clear, uncached)
 
     def alone_prefill_s(self, prompt_tokens: int) -> float:
         """The least time `prompt_tokens` of one prompt take to prefill here if started now: in steps
