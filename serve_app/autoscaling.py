@@ -35,7 +35,12 @@ class TidalAutoscalingPolicy:
         config = dataclasses.replace(self.config, min_units=max(1, ctx.capacity_adjusted_min_replicas),
                                      max_units=max(1, ctx.capacity_adjusted_max_replicas))
         now = ctx.current_time if ctx.current_time is not None else time.time()
-        obs = AutoscaleObservation(now, ctx.current_num_replicas, [u for u in units if u.capacity_rps > 0])
+        # The count the deployment is heading for, its replicas still starting included, as the
+        # simulator's fleet counts its units still provisioning (and as Serve's own policy decides
+        # from): from the running count alone, a scale-up was undone on the very next call while
+        # its replica started, and the deployment never grew (benchmarks/autoscale_serve.py).
+        current = ctx.target_num_replicas if ctx.target_num_replicas is not None else ctx.current_num_replicas
+        obs = AutoscaleObservation(now, current, [u for u in units if u.capacity_rps > 0])
         target, state = decide(obs, AutoscaleState.from_dict(ctx.policy_state), config)
         self._export(ctx.deployment_name, target, state.last_demand)
         return target, state.to_dict()

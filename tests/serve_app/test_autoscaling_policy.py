@@ -22,14 +22,17 @@ KWARGS = {"target_load": 0.5, "smoothing_s": 0.0, "lead_s": 0.0, "upscale_delay_
 
 
 def context(loads: list[UnitLoad], current: int, state: dict[str, Any] | None = None, now: float = 100.0,
-            max_replicas: int = 8) -> AutoscalingContext:
+            max_replicas: int = 8, target: int | None = None) -> AutoscalingContext:
+    """Serve's context with `loads` from the running replicas; `current` running, `target` the
+    count the deployment is heading for (replicas starting included; default: `current`)."""
     replicas = [ReplicaID(u.unit_id, DEP) for u in loads]
     metrics: dict[str, dict[ReplicaID, float]] = {}
     for rid, load in zip(replicas, loads, strict=True):
         for key, value in load.to_stats().items():
             metrics.setdefault(key, {})[rid] = value
     return AutoscalingContext(deployment_id=DEP, deployment_name=DEP.name, app_name=DEP.app_name,
-                              current_num_replicas=current, target_num_replicas=current, running_replicas=replicas,
+                              current_num_replicas=current, target_num_replicas=current if target is None else target,
+                              running_replicas=replicas,
                               total_num_requests=0.0, total_queued_requests=0.0, aggregated_metrics=metrics,
                               raw_metrics={}, capacity_adjusted_min_replicas=1,
                               capacity_adjusted_max_replicas=max_replicas, policy_state=state or {},
@@ -47,6 +50,23 @@ def test_a_hot_replica_gets_one_more_unit_through_serve() -> None:
     n, state = policy(context([unit("a", tpot_ms=88.0), unit("b")], 2))
     assert n == 3
     assert state["last_demand"] == pytest.approx(1.6)  # 2 x 0.4 / 0.5: the rate alone asks for 2
+
+
+def test_a_scale_up_holds_while_its_replicas_start() -> None:
+    """Serve calls the policy several times a second; a replica takes seconds to start. The next
+    call sees one replica running and two targeted: the decision stands (it once fell back to the
+    running count, and Serve stopped each new replica while it started: the deployment never grew)."""
+    policy = TidalAutoscalingPolicy(**{**KWARGS, "upscale_delay_s": 5.0, "downscale_delay_s": 60.0})
+    hot = [unit("a", 1.2)]  # 1.2 / 0.5: demand for 3 units
+    n, state = policy(context(hot, 1, now=0.0))
+    assert n == 1  # the upscale delay starts
+    n, state = policy(context(hot, 1, state, now=5.0))
+    assert n == 3
+    for t in (5.1, 5.2, 8.0, 20.0):  # the two new replicas still starting: the target stands
+        n, state = policy(context(hot, 1, state, now=t, target=3))
+        assert n == 3
+    n, _ = policy(context([unit("a", 0.2)], 1, state, now=21.0, target=3))
+    assert n == 3  # demand fell: the downscale delay starts, nothing is undone at once
 
 
 def test_a_batch_backlog_does_not_scale_the_deployment() -> None:
