@@ -101,6 +101,7 @@ class RequestResult:
     retry_after_s: float | None = None
     error: str | None = None
     error_code: str | None = None  # an OpenAI-style error body's `code` (e.g. the admission rule of a 429)
+    refused_by: str | None = None  # on a 429 / 503, where the server says it decided (`x-tidal-refused-by`)
     # With retries (loadgen/replay_retries.py): the fields above are the last attempt's.
     attempts: int = 1
     first_sent_t: float = float("nan")
@@ -260,6 +261,7 @@ async def send_request(client: httpx.AsyncClient, config: ClientConfig, spec: Re
         async with client.stream("POST", config.url, json=body, extensions={"trace": on_trace}) as response:
             result.http_status = response.status_code
             result.retry_after_s = _retry_after(response.headers.get("retry-after"))  # 429, also 503
+            result.refused_by = response.headers.get("x-tidal-refused-by")  # tidalserve's: proxy, ingress, unit
             if math.isnan(result.sent_t):
                 result.sent_t = result.dispatch_t  # transports without httpcore tracing
             if response.status_code == 429:

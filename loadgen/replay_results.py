@@ -98,7 +98,7 @@ class Recorder:
                   "tpot_s": _r(tpot), "itl_ms": itl_field(res.inter_token_ms()), "output_tokens": res.output_tokens,
                   "input_tokens": res.input_tokens, "requested_output_tokens": int(self.trace.output_tokens[i]),
                   "usage_reported": res.usage_reported, "retry_after_s": res.retry_after_s, "error": res.error,
-                  "error_code": res.error_code}
+                  "error_code": res.error_code, "refused_by": res.refused_by}
         if res.attempts > 1 or not math.isnan(res.first_sent_t):
             record.update(attempts=res.attempts, first_sent_s=_r(first), retries=res.retries,
                           client_ttft_s=_r(ttft + sent - first))

@@ -37,6 +37,7 @@ def _reset(result: RequestResult, spec: RequestSpec) -> None:
     """Clear one attempt's outcome before the next (keeps index, dispatch and the first send)."""
     result.input_tokens = spec.input_tokens
     result.status, result.http_status, result.error, result.retry_after_s = "incomplete", None, None, None
+    result.error_code = result.refused_by = None
     result.sent_t = result.first_token_t = result.end_t = math.nan
     result.chunk_t = []
     result.output_tokens, result.usage_reported = 0, False

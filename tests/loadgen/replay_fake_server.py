@@ -103,7 +103,8 @@ class FakeServer:
         fate = behavior.fate(n)
         if fate == "reject":
             return JSONResponse({"error": {"message": "overloaded", "type": "rate_limit", "code": "queue_full"}},
-                                status_code=429, headers={"Retry-After": behavior.retry_after})
+                                status_code=429, headers={"Retry-After": behavior.retry_after,
+                                                          "x-tidal-refused-by": "proxy"})
         if fate == "fail":
             return JSONResponse({"error": {"message": "boom", "type": "internal"}}, status_code=500)
         prompt_tokens = len(str(body.get("prompt") or body.get("messages")).split())

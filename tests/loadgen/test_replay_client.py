@@ -61,12 +61,13 @@ def test_429_keeps_retry_after(server: FakeServer) -> None:
     res = _send(server, Behavior(reject_every=1, retry_after="7"), RequestSpec(3, 10, 4))
     assert (res.status, res.http_status, res.retry_after_s) == ("rejected", 429, 7.0)
     assert res.error == "overloaded" and res.error_code == "queue_full" and math.isnan(res.first_token_t)
+    assert res.refused_by == "proxy"  # where tidalserve says it decided (x-tidal-refused-by)
 
 
 def test_5xx_and_sse_error_events_are_errors(server: FakeServer) -> None:
     res = _send(server, Behavior(fail_every=1), RequestSpec(4, 10, 4))
     assert res.status == "error" and res.http_status == 500 and "boom" in (res.error or "")
-    assert res.error_code is None  # the body has no code
+    assert res.error_code is None and res.refused_by is None  # the body has no code, nor the response a place
     res = _send(server, Behavior(sse_error_every=1), RequestSpec(5, 10, 4))
     assert res.status == "error" and res.http_status == 200 and "engine died" in (res.error or "")
     assert len(res.chunk_t) == 1  # the token before the error was still timed

@@ -63,6 +63,7 @@ def test_the_client_gives_up_after_two_retries(server: FakeServer, tmp_path: Pat
     s = report.summary
     assert len(server.log.arrivals) == 9 and s["rejected"] == 3 and s["completed"] == 0
     assert [r["attempts"] for r in rows] == [3, 3, 3] and all(r["http_status"] == 429 for r in rows)
+    assert all(r["refused_by"] == "proxy" and r["error_code"] == "queue_full" for r in rows)
     assert s["retries"]["retries_sent"] == 6 and s["retries"]["retries_admitted"] == 0
     assert s["retries"]["amplification"] == 3.0 and s["retries"]["retry_after_admit_rate"] == 0.0
 
