@@ -174,6 +174,28 @@ def app_from_config(config: str, name: str, route_prefix: str, *, streaming: dic
     return {**app, "name": name, "route_prefix": route_prefix}
 
 
+def autoscaled(app: dict[str, Any], max_units: int, policy_kwargs: dict[str, Any],
+               look_back_period_s: float = 15.0) -> dict[str, Any]:
+    """`app` with its ServingUnit deployment autoscaled as configs/prod.yaml autoscales it (the
+    tidalserve policy with `policy_kwargs`, prod's request router, Serve's own delays zeroed), one
+    unit at the start."""
+    import copy
+
+    import yaml
+
+    prod = yaml.safe_load((ROOT / "configs" / "prod.yaml").read_text())
+    (prod_unit,) = [d for a in prod["applications"] for d in a["deployments"] if d["name"] == "ServingUnit"]
+    deployments = copy.deepcopy(app["deployments"])
+    (unit,) = [d for d in deployments if d["name"] == "ServingUnit"]
+    unit.pop("num_replicas", None)
+    unit["request_router_config"] = prod_unit["request_router_config"]
+    policy = {**prod_unit["autoscaling_config"]["policy"], "policy_kwargs": policy_kwargs}
+    unit["autoscaling_config"] = {**prod_unit["autoscaling_config"], "min_replicas": 1, "initial_replicas": 1,
+                                  "max_replicas": max_units, "look_back_period_s": look_back_period_s,
+                                  "policy": policy}
+    return {**app, "deployments": deployments}
+
+
 @contextlib.contextmanager
 def serve_cluster(applications: list[dict[str, Any]], *, num_cpus: int = 8,
                   healthy_timeout_s: float = 300.0) -> Any:
