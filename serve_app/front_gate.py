@@ -3,8 +3,10 @@
 Owns: `FrontGate` (the units' latest snapshots as this ingress replica sees them, kept fresh by a
 poll and by every verdict a unit sends back; the verdict of `tidal_core.FrontAdmission` on each
 new request; the spread of every 429's retry-after: `tidal_core.RetrySpread`) and
-`FrontGateMiddleware` (the pure ASGI middleware that asks the gate before FastAPI reads, parses
-or validates a body: a refused request costs no JSON parsing, no tokenizing and no hop to a unit).
+`FrontGateMiddleware` (the pure ASGI middleware that asks the gate before FastAPI parses or
+validates a body: a refused request costs no JSON parsing, no tokenizing and no hop to a unit; the
+body is read ahead, and parsed only where it names `service_tier` or `priority`, to let a
+batch-class request through to its unit's batch queue: serve_app/openai/body_peek.py).
 
 Freshness. In a burst, hundreds of requests arrive before the first verdict on any of them comes
 back; so each request let through is *pending* until its unit's verdict (or its end), and the
@@ -66,11 +68,13 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve_app.openai.arrival_stamp import mark_arrival
+from serve_app.openai.body_peek import peek_service_class
 from serve_app.openai.errors import OpenAIError
-from serve_app.openai.http_limits import JSON_ENDPOINTS, error_response
+from serve_app.openai.http_limits import DEFAULT_MAX_BODY_BYTES, JSON_ENDPOINTS, error_response
 from tidal_core import AdmissionConfig, UnitLoad
 from tidal_core.front_admission import FrontAdmission, FrontRefusal, OnTheWay, PathModel, PromptSizeModel, Sighting
 from tidal_core.retry_spread import RetrySpread
+from tidal_core.service_class import ServiceClass
 
 logger = logging.getLogger(__name__)
 POLL_PERIOD_S = 0.1
@@ -339,7 +343,7 @@ def gate_headers(gate: FrontGate | None, err: OpenAIError, where: str) -> dict[s
 
 
 class FrontGateMiddleware:
-    """Asks `app.state.front_gate` (if set) about every POST to a generation endpoint, before the body is read."""
+    """Asks `app.state.front_gate` (if set) about every POST to a generation endpoint, before the body is parsed."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -356,6 +360,11 @@ class FrontGateMiddleware:
             # The time it already spent in front of this replica (the proxy's signed stamp) counts.
             waited = time.time() - mark_arrival(scope, getattr(state, "arrival_key", None),
                                                 on_stamped=getattr(state, "on_front_delay", None))
+            limit = int(getattr(state, "max_body_bytes", DEFAULT_MAX_BODY_BYTES))
+            receive, asked = await peek_service_class(receive, length, limit)
+            if asked is ServiceClass.BATCH:  # never held to the TTFT target: its unit's batch queue decides
+                await self.app(scope, receive, send)
+                return
             err = gate.refusal(int(length) if length.isdigit() else 0, max(0.0, waited))
             if err is not None:
                 response = error_response(err)

@@ -3,7 +3,9 @@
 Owns: `middlewares()` (the callback Serve's proxy calls when `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`
 is `serve_app.proxy_gate:middlewares`) and `ProxyGateMiddleware`, which keeps one `FrontGate`
 (serve_app/front_gate.py) per tidalserve application and answers a generation request the gate
-refuses right there: no hop to an `Ingress` replica, no body read, no tokenizing.
+refuses right there: no hop to an `Ingress` replica, no body parsed, no tokenizing. The body is
+read (not parsed, unless it names `service_tier` or `priority`) to tell a batch-class request,
+which no gate holds to the TTFT target (serve_app/openai/body_peek.py).
 
 Why in the proxy: on a small box the proxy's own per-request cost (parsing, routing, the streamed
 actor call to the ingress replica) and the ingress replica's are what a burst queues on, before
@@ -55,7 +57,9 @@ from serve_app.auth import INVALID_KEY, UNAUTHORIZED_HEADERS, presented_key
 from serve_app.front_gate import PROMPT_TOKENS, REFUSED_BY, UNIT_WAITED, FrontGate, gate_headers
 from serve_app.metrics import refusal_counter
 from serve_app.openai.arrival_stamp import ArrivalKey, restamp
-from serve_app.openai.http_limits import JSON_ENDPOINTS, error_response
+from serve_app.openai.body_peek import peek_service_class
+from serve_app.openai.http_limits import DEFAULT_MAX_BODY_BYTES, JSON_ENDPOINTS, error_response
+from tidal_core.service_class import ServiceClass
 
 logger = logging.getLogger("ray.serve")  # the proxy's own log (logs/serve/proxy_*.log)
 REFRESH_APPS_S = 2.0
@@ -96,7 +100,9 @@ class ProxyGateMiddleware:
             await error_response(INVALID_KEY, UNAUTHORIZED_HEADERS)(scope, receive, send)
             return
         length = Headers(scope=scope).get("content-length", "")
-        err = gate.refusal(int(length) if length.isdigit() else 0)
+        receive, asked = await peek_service_class(receive, length, DEFAULT_MAX_BODY_BYTES)
+        batch = asked is ServiceClass.BATCH  # never held to the TTFT target: its unit's batch queue decides
+        err = None if batch else gate.refusal(int(length) if length.isdigit() else 0)
         if err is not None:
             response = error_response(err)
             response.headers.update(gate_headers(gate, err, "proxy"))
@@ -106,6 +112,9 @@ class ProxyGateMiddleware:
         stamp_key = self.arrival_keys.get(name)
         if stamp_key is not None:  # the Ingress and the unit count the time spent from here on
             restamp(scope, stamp_key, arrived)
+        if batch:
+            await self.app(scope, receive, send)
+            return
 
         async def send_and_release(message: Message) -> None:
             if message["type"] == "http.response.start":  # the unit's verdict, or none came

@@ -50,6 +50,29 @@ async def test_the_proxy_gate_refuses_by_route_and_releases_at_the_response_star
     assert [m.cls for m in middlewares()] == [ProxyGateMiddleware]
 
 
+async def test_the_proxy_gate_lets_a_batch_class_request_through_to_its_unit() -> None:
+    from serve_app.proxy_gate import ProxyGateMiddleware
+
+    bodies: list[dict[str, Any]] = []
+
+    async def downstream(scope: Any, receive: Any, send: Any) -> None:
+        message = await receive()
+        bodies.append(json.loads(message["body"]))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    proxy = ProxyGateMiddleware(downstream)
+    proxy._task = asyncio.get_running_loop().create_future()
+    gate = FrontGate(AdmissionConfig(target_ttft_s=1.0), rng=random.Random(0))
+    proxy.gates["/sim"] = ("sim", gate)
+    gate.observe(BUSY)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(proxy), base_url="http://proxy") as c:
+        assert (await c.post("/sim/v1/chat/completions", json=CHAT)).status_code == 429
+        flex = await c.post("/sim/v1/chat/completions", json={**CHAT, "service_tier": "flex"})
+    assert flex.status_code == 200 and bodies == [{**CHAT, "service_tier": "flex"}]
+    assert gate.refused == {"prefill_backlog": 1} and not gate._pending  # no ticket: nothing pending
+
+
 async def test_the_proxy_gate_checks_api_keys_before_any_admission_verdict() -> None:
     from serve_app.api_keys import KeySet
     from serve_app.auth import INVALID_KEY, UNAUTHORIZED_HEADERS
