@@ -18,7 +18,14 @@ simulator's fleet on the same trace with the same `AutoscaleConfig` and a unit s
 `--provisioning` seconds (measured below for Serve's replicas): its units see every arrival, as
 units without a door would, so Serve should scale about as soon and as far.
 
+With `--batch N` it also sends N batch-class requests (`service_tier="flex"`, Azure code
+lengths) at the start, as a nightly job submits its backlog: with the shipped `scale_for_batch:
+false` the backlog alone must not scale the units up (run it with a night's `--load 0.3`). The
+simulator's column then shows the interactive traffic alone.
+
     RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled python benchmarks/autoscale_serve.py --out DIR
+    RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled python benchmarks/autoscale_serve.py --load 0.3 \
+        --batch 300 --out DIR
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' harne
 from loadgen.records import Trace
 from loadgen.report import OK, Slo
 from tests.integration.reliability.cluster import app_from_config, autoscaled, machine, serve_cluster
-from tests.integration.reliability.load import poisson_trace, run_load, sim_capacity_rps, sim_unit
+from tests.integration.reliability.load import SIM_MODEL, poisson_trace, run_load, sim_capacity_rps, sim_unit
 from tidal_core import AutoscaleConfig
 
 APP = "auto"
@@ -125,6 +132,32 @@ def simulate(trace: Trace, config: AutoscaleConfig, provisioning_s: float, slo: 
             "within_slo": int(meets.sum()), "arrived": len(o.status)}
 
 
+async def send_backlog(url: str, n: int, seed: int) -> dict[str, Any]:
+    """`n` batch-class requests (`service_tier="flex"`, Azure code lengths) sent at once, as a
+    nightly job submits its backlog: how many were served, refused (with their codes) or failed."""
+    import httpx
+
+    from loadgen.lengths import sample_length_arrays
+    from loadgen.prompts import build_prompt
+
+    inp, out = sample_length_arrays(n, source="azure-code", seed=seed, max_input=6000, max_output=1024)
+    counts: dict[str, int] = {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0, connect=60.0), limits=limits) as client:
+        async def one(i: int) -> None:
+            body = {"model": SIM_MODEL, "service_tier": "flex", "max_tokens": int(max(out[i], 1)),
+                    "messages": [{"role": "user", "content": build_prompt(int(max(inp[i], 8)), seed=seed + i)}]}
+            try:
+                r = await client.post(f"{url}/v1/chat/completions", json=body)
+                key = str(r.status_code) if r.status_code != 429 else f"429 {r.json()['error']['code']}"
+            except httpx.HTTPError as exc:
+                key = type(exc).__name__
+            counts[key] = counts.get(key, 0) + 1
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+    return counts
+
+
 def table(serve_rows: list[dict[str, Any]], sim_rows: list[dict[str, Any]]) -> str:
     lines = ["| seconds | arrived | Serve: units running | Serve: within the SLO | Serve: refused at the door / "
              "by a unit | simulator: units serving | simulator: within the SLO |", "|---|---|---|---|---|---|---|"]
@@ -144,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoothing", type=float, default=10.0, help="policy smoothing_s (prod: 300)")
     p.add_argument("--upscale-delay", type=float, default=5.0, help="policy upscale_delay_s (prod: 30)")
     p.add_argument("--provisioning", type=float, default=10.0, help="the simulator's unit start-up, seconds")
+    p.add_argument("--batch", type=int, default=0, metavar="N",
+                   help="also send N batch-class (flex) requests at the start: a backlog must not scale the units up")
     p.add_argument("--out", type=Path, default=Path("runs/autoscale-serve"))
     args = p.parse_args(argv)
     kwargs = {"target_load": 0.65, "smoothing_s": args.smoothing, "lead_s": 0.0,
@@ -161,10 +196,17 @@ def main(argv: list[str] | None = None) -> int:
         samples: list[dict[str, Any]] = []
         watcher = threading.Thread(target=lambda: samples.extend(watch_replicas(stop, t0)), daemon=True)
         watcher.start()
-        run = asyncio.run(run_load(f"{base}/{APP}", APP, trace, args.out / "serve", drain_timeout_s=120.0))
+        async def both() -> Any:
+            load = run_load(f"{base}/{APP}", APP, trace, args.out / "serve", drain_timeout_s=120.0)
+            if not args.batch:
+                return await load, None
+            return await asyncio.gather(load, send_backlog(f"{base}/{APP}", args.batch, args.seed))
+
+        run, backlog = asyncio.run(both())
         stop.set()
         watcher.join(timeout=10.0)
     report["replicas"] = samples
+    report["batch_backlog"] = backlog
     serve_rows = serve_windows(run.records, samples, args.duration, slo)
     config = AutoscaleConfig(min_units=1, max_units=args.max_units, **kwargs)  # type: ignore[arg-type]
     sim = simulate(trace, config, args.provisioning, slo)
@@ -181,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: s[k] for k in ("first_scale_up_s", "first_added_unit_running_s", "replica_start_up_s",
                                         "max_running")}))
     print(json.dumps({k: sim[k] for k in ("first_scale_up_s", "first_added_unit_serving_s", "within_slo", "arrived")}))
+    if backlog is not None:
+        print(json.dumps({"batch_backlog": backlog}))
     print(table(serve_rows, sim["windows"]))
     return 0
 
