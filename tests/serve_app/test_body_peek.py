@@ -1,15 +1,19 @@
 """The service class a request asks for, read ahead of the app at the front door
-(serve_app/openai/body_peek.py): the body is replayed intact, and only a body that names a class
-key is parsed."""
+(serve_app/openai/body_peek.py): the body is replayed intact, only a body that names a class key
+is parsed, and the gate lets a batch-class request through to its unit."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from serve_app.openai import body_peek
 from serve_app.openai.body_peek import asks_for_batch, peek_service_class
+from tests.serve_app.openai_fakes import raw_post
+from tests.serve_app.test_front_gate import BUSY, CHAT, client, gated_app
 from tidal_core.service_class import ServiceClass
 
 pytestmark = pytest.mark.anyio
@@ -66,3 +70,33 @@ async def test_a_body_without_a_length_or_past_the_limit_is_not_read(length: str
     receive, calls = _receiver([b'{"service_tier": "flex"}'])
     replay, asked = await peek_service_class(receive, length, 4096)
     assert replay is receive and asked is ServiceClass.INTERACTIVE and calls[0] == 0
+
+
+async def test_a_refusal_reads_the_body_once_and_parses_none(tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gate reads the body ahead only to find a batch-class request; one that names neither
+    `service_tier` nor `priority` is not parsed, and the app never reads it."""
+    app, _, gate, _ = gated_app(tok)
+    gate.observe(BUSY)
+
+    def no_parse(_: bytes) -> None:
+        raise AssertionError("the gate parsed a body that names no service class")
+
+    monkeypatch.setattr(body_peek, "json", SimpleNamespace(loads=no_parse))
+    sent, reads = await raw_post(app, "/v1/chat/completions", json.dumps(CHAT).encode(), len(json.dumps(CHAT)))
+    assert sent[0]["status"] == 429 and reads == 1
+
+
+@pytest.mark.parametrize("asks", [{"service_tier": "flex"}, {"priority": 3}])
+async def test_a_batch_class_request_is_not_held_to_the_ttft_target_at_the_door(tok: Any, asks: dict) -> None:
+    """A flex request goes on to its unit, whose batch queue decides, where an interactive one is
+    refused at the door; the body reaches the app intact."""
+    app, engine, gate, _ = gated_app(tok)
+    gate.observe(BUSY)
+    async with client(app) as c:
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 429
+        flex = await c.post("/v1/chat/completions", json={**CHAT, **asks})
+        bad = await c.post("/v1/chat/completions", json={**CHAT, "service_tier": "scale"})
+    assert flex.status_code == 200, flex.text
+    assert bad.status_code == 429  # not the batch class: judged at the door (the app would answer 400)
+    assert [r.service_class for r in engine.requests] == [ServiceClass.BATCH]
+    assert gate.refused == {"prefill_backlog": 2} and len(gate.undelivered) == 2  # the flex one is no door refusal

@@ -8,10 +8,8 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
-import json
 import random
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -21,15 +19,13 @@ from serve_app.engine_loop import EngineLoop
 from serve_app.front_gate import FrontGate
 from serve_app.handle_client import HandleEngineClient
 from serve_app.ingress import build_app
-from serve_app.openai import body_peek
 from serve_app.openai.errors import OpenAIError
 from serve_app.openai.server import OpenAIServer
 from serve_app.unit_api import GenerateChunk, GenerateRequest
-from tests.serve_app.openai_fakes import FakeEngine, raw_post
+from tests.serve_app.openai_fakes import FakeEngine
 from tests.serve_app.test_engine_loop import CFG, AsyncFake, collect
 from tests.serve_app.test_ingress_errors import INFO, FakeHandle, FakeResponse
 from tidal_core import AdmissionConfig, Regime, SamplingParams, Scheduler, UnitLoad, preset
-from tidal_core.service_class import ServiceClass
 
 pytestmark = pytest.mark.anyio
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
@@ -84,36 +80,6 @@ async def test_every_refusal_is_reported_with_its_reason_and_nothing_else_is(tok
         assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 429
         assert (await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})).status_code == 429
     assert reasons == ["prefill_backlog", "prefill_backlog"] == ["prefill_backlog"] * gate.refused["prefill_backlog"]
-
-
-async def test_a_refusal_reads_the_body_once_and_parses_none(tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The gate reads the body ahead only to find a batch-class request; one that names neither
-    `service_tier` nor `priority` is not parsed, and the app never reads it."""
-    app, _, gate, _ = gated_app(tok)
-    gate.observe(BUSY)
-
-    def no_parse(_: bytes) -> None:
-        raise AssertionError("the gate parsed a body that names no service class")
-
-    monkeypatch.setattr(body_peek, "json", SimpleNamespace(loads=no_parse))
-    sent, reads = await raw_post(app, "/v1/chat/completions", json.dumps(CHAT).encode(), len(json.dumps(CHAT)))
-    assert sent[0]["status"] == 429 and reads == 1
-
-
-@pytest.mark.parametrize("asks", [{"service_tier": "flex"}, {"priority": 3}])
-async def test_a_batch_class_request_is_not_held_to_the_ttft_target_at_the_door(tok: Any, asks: dict) -> None:
-    """A flex request goes on to its unit, whose batch queue decides, where an interactive one is
-    refused at the door; the body reaches the app intact."""
-    app, engine, gate, _ = gated_app(tok)
-    gate.observe(BUSY)
-    async with client(app) as c:
-        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 429
-        flex = await c.post("/v1/chat/completions", json={**CHAT, **asks})
-        bad = await c.post("/v1/chat/completions", json={**CHAT, "service_tier": "scale"})
-    assert flex.status_code == 200, flex.text
-    assert bad.status_code == 429  # not the batch class: judged at the door (the app would answer 400)
-    assert [r.service_class for r in engine.requests] == [ServiceClass.BATCH]
-    assert gate.refused == {"prefill_backlog": 2} and len(gate.undelivered) == 2  # the flex one is no door refusal
 
 
 async def test_idle_stale_or_absent_snapshots_let_requests_through(tok: Any) -> None:
