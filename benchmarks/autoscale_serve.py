@@ -42,6 +42,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' harness is the benchmark's too
 
+import numpy as np
+
 from loadgen.records import Trace
 from loadgen.report import OK, Slo
 from tests.integration.reliability.cluster import app_from_config, autoscaled, machine, serve_cluster
@@ -176,16 +178,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-units", type=int, default=3)
     p.add_argument("--smoothing", type=float, default=10.0, help="policy smoothing_s (prod: 300)")
     p.add_argument("--upscale-delay", type=float, default=5.0, help="policy upscale_delay_s (prod: 30)")
+    p.add_argument("--downscale-delay", type=float, default=3600.0, help="policy downscale_delay_s (prod: 300)")
+    p.add_argument("--then-load", type=float, default=None, help="a second phase at this load (scale-down)")
+    p.add_argument("--then-duration", type=float, default=150.0)
     p.add_argument("--provisioning", type=float, default=10.0, help="the simulator's unit start-up, seconds")
     p.add_argument("--batch", type=int, default=0, metavar="N",
                    help="also send N batch-class (flex) requests at the start: a backlog must not scale the units up")
     p.add_argument("--out", type=Path, default=Path("runs/autoscale-serve"))
     args = p.parse_args(argv)
     kwargs = {"target_load": 0.65, "smoothing_s": args.smoothing, "lead_s": 0.0,
-              "upscale_delay_s": args.upscale_delay, "downscale_delay_s": 3600.0, "max_step_up": 4,
+              "upscale_delay_s": args.upscale_delay, "downscale_delay_s": args.downscale_delay, "max_step_up": 4,
               "hot_tpot_fraction": 0.85, "cool_tpot_fraction": 0.76, "scale_for_batch": False}
     capacity = sim_capacity_rps()
     trace = poisson_trace(args.load * capacity, args.duration, seed=args.seed)
+    if args.then_load is not None:  # a second phase: the tide going out
+        later = poisson_trace(args.then_load * capacity, args.then_duration, seed=args.seed + 1)
+        trace = Trace(f"{trace.name}+{later.name}", np.concatenate([trace.arrival_s, later.arrival_s + args.duration]),
+                      np.concatenate([trace.input_tokens, later.input_tokens]),
+                      np.concatenate([trace.output_tokens, later.output_tokens]),
+                      duration_s=args.duration + args.then_duration, source=f"{trace.source}; then {later.source}")
+        args.duration += args.then_duration
     slo = Slo()
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"machine_at_start": machine(), "capacity_rps": round(capacity, 3),

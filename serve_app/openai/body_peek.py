@@ -12,7 +12,7 @@ interactive at the door, a nightly backlog sent at once was refused there with `
 backlog (benchmarks/RESULTS.md, "The batch class at the door"). So the gates read the body first:
 it is already in the server's memory, a substring test finds the two keys, and only a body that
 names one is parsed. A body past `limit` bytes, or sent without a Content-Length, is not read
-here: it is judged as interactive, and its unit, which parses it, still serves it as batch.
+here: the door judges it as interactive, and if it lets it through, its unit serves it as batch.
 
 Must not import: ray, torch, transformers.
 """
@@ -37,7 +37,7 @@ def asks_for_batch(body: bytes) -> bool:
         data = json.loads(body)
         return isinstance(data, dict) and service_class_of(data.get("service_tier"),
                                                            data.get("priority")) is ServiceClass.BATCH
-    except ValueError:  # not JSON, or a tier / priority the app will refuse with a 400
+    except (ValueError, RecursionError):  # not JSON (or nested past the parser), or a tier the app refuses (400)
         return False
 
 
