@@ -13,6 +13,7 @@ Ray's metrics export port is fixed here so the Prometheus test can scrape it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -101,6 +102,30 @@ def wait_healthy(url: str, timeout_s: float) -> None:
             last = repr(exc)
         time.sleep(1.0)
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s: {last}")
+
+
+@contextlib.contextmanager
+def deployed_beside(cluster: ServeCluster, app: dict, timeout_s: float = 240.0) -> Iterator[str]:
+    """`app` deployed beside the session's applications (which are unchanged, so not restarted);
+    yields its base URL once healthy; on exit the session's applications as they were, without it."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    def deploy(config: dict) -> None:
+        _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
+
+    base = combined_config(cluster.http_port)
+    deploy({**base, "applications": [*base["applications"], app]})
+    try:
+        url = cluster.base_url + app["route_prefix"].rstrip("/")
+        wait_healthy(url, timeout_s)
+        yield url
+    finally:
+        deploy(base)
+        deadline = time.monotonic() + 120
+        while app["name"] in serve.status().applications and time.monotonic() < deadline:
+            time.sleep(1.0)
 
 
 @pytest.fixture(scope="session")

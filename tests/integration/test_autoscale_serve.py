@@ -21,7 +21,7 @@ import pytest
 
 from loadgen.client import ClientConfig
 from loadgen.replay import ReplayConfig, replay_async
-from tests.integration.conftest import ServeCluster, combined_config, wait_healthy
+from tests.integration.conftest import ServeCluster, deployed_beside
 from tests.integration.reliability.cluster import app_from_config, autoscaled
 from tests.integration.reliability.load import poisson_trace, sim_capacity_rps
 
@@ -32,13 +32,6 @@ POLICY = {"target_load": 0.65, "smoothing_s": 10.0, "lead_s": 0.0, "upscale_dela
 GROWTH_BOUND_S = 120.0
 
 
-def _deploy(config: dict) -> None:
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
-
-
 def _running_units() -> int:
     from ray import serve
 
@@ -47,14 +40,8 @@ def _running_units() -> int:
 
 
 def test_an_overload_refused_at_the_door_scales_the_units_up(serve_cluster: ServeCluster, tmp_path: Path) -> None:
-    from ray import serve
-
-    base = combined_config(serve_cluster.http_port)
     app = autoscaled(app_from_config("sim", APP, PREFIX), max_units=2, policy_kwargs=POLICY)
-    _deploy({**base, "applications": [*base["applications"], app]})
-    try:
-        url = serve_cluster.base_url + PREFIX
-        wait_healthy(url, 240)
+    with deployed_beside(serve_cluster, app) as url:
         assert _running_units() == 1
         trace = poisson_trace(3.0 * sim_capacity_rps(), GROWTH_BOUND_S, seed=5)
 
@@ -73,15 +60,10 @@ def test_an_overload_refused_at_the_door_scales_the_units_up(serve_cluster: Serv
             return grown
 
         grown_after = asyncio.run(overload_until_grown())
-        records = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
-        refused = [r for r in records if r["status"] == "rejected"]
-        at_door = sum(1 for r in refused if r.get("refused_by") in ("proxy", "ingress"))
-        assert grown_after is not None, f"still one unit after {GROWTH_BOUND_S:g} s at 3x its capacity"
-        assert not [r for r in records if (r["http_status"] or 0) >= 500]
-        assert refused and all(r["http_status"] == 429 and r["retry_after_s"] for r in refused)
-        assert at_door > len(refused) / 2, "the door decided most refusals: its demand is what scaled the units"
-    finally:  # the session's applications as they were, without this one
-        _deploy(base)
-        deadline = time.monotonic() + 120
-        while APP in serve.status().applications and time.monotonic() < deadline:
-            time.sleep(1.0)
+    records = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    refused = [r for r in records if r["status"] == "rejected"]
+    at_door = sum(1 for r in refused if r.get("refused_by") in ("proxy", "ingress"))
+    assert grown_after is not None, f"still one unit after {GROWTH_BOUND_S:g} s at 3x its capacity"
+    assert not [r for r in records if (r["http_status"] or 0) >= 500]
+    assert refused and all(r["http_status"] == 429 and r["retry_after_s"] for r in refused)
+    assert at_door > len(refused) / 2, "the door decided most refusals: its demand is what scaled the units"

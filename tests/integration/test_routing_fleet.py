@@ -22,7 +22,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.system_prompts import system_prompt
-from tests.integration.conftest import ROOT, ServeCluster, combined_config, wait_healthy
+from tests.integration.conftest import ROOT, ServeCluster, deployed_beside
 
 pytestmark = pytest.mark.ray
 APP, PREFIX, UNITS = "fleet", "/fleet", 2
@@ -43,27 +43,10 @@ def fleet_app() -> dict[str, Any]:
     return {**app, "name": APP, "route_prefix": PREFIX}
 
 
-def _deploy(config: dict[str, Any]) -> None:
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
-
-
 @pytest.fixture(scope="module")
 def fleet(serve_cluster: ServeCluster) -> Iterator[str]:
-    from ray import serve
-
-    base = combined_config(serve_cluster.http_port)
-    _deploy({**base, "applications": [*base["applications"], fleet_app()]})
-    try:
-        wait_healthy(serve_cluster.base_url + PREFIX, 240)
-        yield serve_cluster.base_url + PREFIX
-    finally:  # the session's applications as they were (unchanged, so not restarted), without the fleet
-        _deploy(base)
-        deadline = time.monotonic() + 120
-        while APP in serve.status().applications and time.monotonic() < deadline:
-            time.sleep(1.0)
+    with deployed_beside(serve_cluster, fleet_app()) as url:
+        yield url
 
 
 def _scrape(serve_cluster: ServeCluster) -> list[Any]:
