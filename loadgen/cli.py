@@ -58,6 +58,9 @@ def _register_replay(sub: Any) -> None:
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--words-per-token", type=float, default=None,
                    help="prompt sizing; default 0.867, measured with SmolLM2's tokenizer")
+    p.add_argument("--no-prefix-prompts", action="store_true",
+                   help="a trace with prefix ids (Mooncake's hash_ids): unrelated prompts instead of prompts that "
+                        "share what the trace's share (the default, so a server's prefix cache hits as recorded)")
     p.add_argument("--slo-ttft", type=float, default=Slo().ttft_s, help="TTFT target, seconds")
     p.add_argument("--slo-tpot", type=float, default=Slo().tpot_s, help="TPOT target, seconds")
     p.add_argument("--name", default="replay", help="run name: the key in summary.json")
@@ -112,7 +115,8 @@ def run_replay(args: argparse.Namespace) -> int:
             model = asyncio.run(ask()) or "default"
         client = ClientConfig(args.url, model=model, endpoint=args.endpoint, seed=args.seed,
                               words_per_token=args.words_per_token or DEFAULT_WORDS_PER_TOKEN,
-                              max_connections=args.max_connections, api_key=args.api_key)
+                              max_connections=args.max_connections, api_key=args.api_key,
+                              prefix_prompts=not args.no_prefix_prompts)
         config = ReplayConfig(run_name=args.name, time_scale=args.time_scale, duration_s=args.duration,
                               drain_timeout_s=args.drain_timeout, slo=Slo(args.slo_ttft, args.slo_tpot),
                               gpus=args.gpus, progress=not args.no_progress, plots=not args.no_plots,
@@ -138,6 +142,12 @@ def run_replay(args: argparse.Namespace) -> int:
     if r:
         print(f"retries: {r['retries_sent']} sent ({r['retries_admitted']} admitted), load amplification "
               f"{r['amplification']}, goodput as the user waited (from the first send) {s['client_goodput_rps']} rps")
+    c = s.get("prefix_cache")
+    if c:
+        shared = trace.prefix_ids is not None and client.prefix_prompts
+        shared_note = " (prompts share the trace's prefixes)" if shared else ""
+        print(f"prefix cache: {c['hit_rate']:.1%} of the completed requests' prompt tokens cached{shared_note}, "
+              f"{c['requests_with_hits']} of {c['requests']} requests with a hit")
     print(f"results in {report.out_dir}/ (requests.jsonl, summary.json, per_hour.json, plots)")
     return 130 if report.interrupted else 0
 

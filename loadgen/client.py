@@ -7,7 +7,11 @@ HTTP status, 429 Retry-After, connection errors, 5xx and SSE error events, usage
 
 A request asks for exactly the trace's output length: `max_tokens` = output tokens and
 `ignore_eos: true` (a vLLM extension our server accepts). Prompts are English prose of the
-trace's input length from `loadgen.prompts.build_prompt`, seeded per request.
+trace's input length from `loadgen.prompts.build_prompt`, seeded per request; a trace that records
+its prompts' shared prefixes (Mooncake's `hash_ids`) gets `build_prefixed_prompt`'s text instead,
+which shares what the trace's prompts share, so a server's prefix cache hits as it would have on
+the recorded traffic (`prefix_prompts=False` turns that off). The server's count of cached prompt
+tokens (`usage.prompt_tokens_details.cached_tokens`) is kept per request.
 
 `send_request` never raises for anything the server or the network does: every outcome is a
 status in the result, so every request sent is accounted for. Cancellation propagates (the
@@ -29,7 +33,7 @@ from typing import Any, Literal
 
 import httpx
 
-from loadgen.prompts import build_prompt
+from loadgen.prompts import build_prefixed_prompt, build_prompt
 
 # SmolLM2's tokenizer on our prompt passage (docs/traces.md, section 7).
 DEFAULT_WORDS_PER_TOKEN = 0.867
@@ -56,6 +60,7 @@ class ClientConfig:
     max_keepalive: int | None = None  # idle connections kept; None: the replay sizes it from the trace
     api_key: str | None = None
     seed: int = 0
+    prefix_prompts: bool = True  # prompts share text where the trace's prefix ids say they share a prefix
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINT_PATHS:
@@ -81,6 +86,8 @@ class RequestSpec:
     input_tokens: int
     output_tokens: int
     prompt: str | None = None  # the trace's own text, if it has any
+    prefix_ids: tuple[int, ...] | None = None  # the trace's prefix-block ids, one per prefix_block_size tokens
+    prefix_block_size: int = 512
 
 
 @dataclass
@@ -98,6 +105,7 @@ class RequestResult:
     chunk_t: list[float] = field(default_factory=list)  # arrival of each SSE chunk with text
     output_tokens: int = 0
     usage_reported: bool = False
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server reports it
     retry_after_s: float | None = None
     error: str | None = None
     error_code: str | None = None  # an OpenAI-style error body's `code` (e.g. the admission rule of a 429)
@@ -150,9 +158,20 @@ class HttpClients:
         await asyncio.gather(*(c.aclose() for c in self.clients))
 
 
+def request_prompt(config: ClientConfig, spec: RequestSpec) -> str:
+    """The trace's own text; else text that shares what the trace's prefix ids share; else prose
+    of the trace's length, seeded per request."""
+    if spec.prompt is not None:
+        return spec.prompt
+    if spec.prefix_ids and config.prefix_prompts:
+        return build_prefixed_prompt(spec.prefix_ids, spec.input_tokens, spec.prefix_block_size, seed=config.seed,
+                                     words_per_token=config.words_per_token)
+    return build_prompt(spec.input_tokens, seed=config.seed * 1_000_003 + spec.index,
+                        words_per_token=config.words_per_token)
+
+
 def request_body(config: ClientConfig, spec: RequestSpec) -> dict[str, Any]:
-    prompt = spec.prompt if spec.prompt is not None else build_prompt(
-        spec.input_tokens, seed=config.seed * 1_000_003 + spec.index, words_per_token=config.words_per_token)
+    prompt = request_prompt(config, spec)
     body: dict[str, Any] = {"model": config.model, "max_tokens": max(int(spec.output_tokens), 1), "stream": True,
                             "stream_options": {"include_usage": True}}
     if config.ignore_eos:
@@ -231,6 +250,9 @@ async def _read_stream(response: httpx.Response, result: RequestResult, clock: C
             result.output_tokens = int(usage["completion_tokens"])
             result.input_tokens = int(usage.get("prompt_tokens") or result.input_tokens)
             result.usage_reported = True
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                result.cached_tokens = details["cached_tokens"]
     if not done:
         result.end_t = clock()
     if not result.usage_reported:

@@ -104,7 +104,9 @@ def pool_shards_for(trace: Trace, window_s: float = PEAK_WINDOW_S) -> int:
 
 def _spec(trace: Trace, i: int) -> RequestSpec:
     prompt = trace.prompts[i] if trace.prompts else None
-    return RequestSpec(i, int(trace.input_tokens[i]), int(trace.output_tokens[i]), prompt)
+    ids = trace.prefix_ids[i] if trace.prefix_ids is not None else None
+    return RequestSpec(i, int(trace.input_tokens[i]), int(trace.output_tokens[i]), prompt, ids,
+                       trace.prefix_block_size)
 
 
 async def _dispatch(trace: Trace, start_t: float, launch: Callable[[int], None]) -> None:

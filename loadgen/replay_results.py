@@ -65,6 +65,7 @@ class Recorder:
         self.e2e = np.full(n, np.nan)
         self.drift = np.full(n, np.nan)  # on the wire minus scheduled
         self.dispatch_drift = np.full(n, np.nan)  # task started minus scheduled (event-loop lateness)
+        self.cached_tokens = np.full(n, -1, dtype=np.int64)  # -1: not reported
         self.num_recorded = 0
         self.retry_lag = np.zeros(n)  # last attempt's send minus the first send (0 without retries)
         self.retry_rows: list[dict[str, Any]] = []
@@ -89,6 +90,7 @@ class Recorder:
         self.status[i] = STATUS_CODES[res.status]
         self.input_tokens[i] = res.input_tokens
         self.output_tokens[i] = res.output_tokens
+        self.cached_tokens[i] = res.cached_tokens if res.cached_tokens is not None else -1
         self.ttft[i], self.e2e[i], self.drift[i] = ttft, e2e, first - scheduled
         self.retry_lag[i] = sent - first if math.isfinite(sent - first) else 0.0
         self.num_recorded += 1
@@ -97,7 +99,8 @@ class Recorder:
                   "status": res.status, "http_status": res.http_status, "ttft_s": _r(ttft), "e2e_s": _r(e2e),
                   "tpot_s": _r(tpot), "itl_ms": itl_field(res.inter_token_ms()), "output_tokens": res.output_tokens,
                   "input_tokens": res.input_tokens, "requested_output_tokens": int(self.trace.output_tokens[i]),
-                  "usage_reported": res.usage_reported, "retry_after_s": res.retry_after_s, "error": res.error,
+                  "usage_reported": res.usage_reported, "cached_tokens": res.cached_tokens,
+                  "retry_after_s": res.retry_after_s, "error": res.error,
                   "error_code": res.error_code, "refused_by": res.refused_by}
         if res.attempts > 1 or not math.isnan(res.first_sent_t):
             record.update(attempts=res.attempts, first_sent_s=_r(first), retries=res.retries,
@@ -130,6 +133,18 @@ def drift_stats(drift_s: NDArray[np.float64], dispatch_s: NDArray[np.float64]) -
             "dispatch_p99_ms": round(float(np.percentile(disp, 99)) * 1e3, 3) if disp.size else None}
 
 
+def prefix_cache_stats(rec: Recorder) -> dict[str, Any] | None:
+    """What the server said its prefix cache saved, over the completed requests that reported it:
+    cached / prompt tokens (the token hit rate) and the requests with any hit. None when no
+    response reported cached tokens (a server without the field)."""
+    m = rec.launched & (rec.status == STATUS_CODES["ok"]) & (rec.cached_tokens >= 0)
+    if not m.any():
+        return None
+    cached, prompt = int(rec.cached_tokens[m].sum()), int(rec.input_tokens[m].sum())
+    return {"requests": int(m.sum()), "requests_with_hits": int((rec.cached_tokens[m] > 0).sum()),
+            "cached_tokens": cached, "prompt_tokens": prompt, "hit_rate": round(cached / prompt, 4) if prompt else 0.0}
+
+
 def write_outputs(out_dir: Path, run_name: str, rec: Recorder, *, slo: Slo, duration_s: float, time_scale: float,
                   gpus: float, extra: dict[str, Any], plot: bool = True) -> dict[str, Any]:
     """summary.json, per_hour.json and the plots; returns this run's summary entry."""
@@ -137,6 +152,9 @@ def write_outputs(out_dir: Path, run_name: str, rec: Recorder, *, slo: Slo, dura
     outcomes = rec.outcomes(duration_s, gpu_hours)
     summary = summarize(outcomes, slo)
     summary["drift"] = drift_stats(rec.drift[rec.launched], rec.dispatch_drift[rec.launched])
+    cache = prefix_cache_stats(rec)
+    if cache is not None:
+        summary["prefix_cache"] = cache
     if rec.retry_rows:  # the replay retried refusals: per original request, and as the user waited
         from loadgen.replay_retries import retry_summary
 

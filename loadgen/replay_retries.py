@@ -40,7 +40,7 @@ def _reset(result: RequestResult, spec: RequestSpec) -> None:
     result.error_code = result.refused_by = None
     result.sent_t = result.first_token_t = result.end_t = math.nan
     result.chunk_t = []
-    result.output_tokens, result.usage_reported = 0, False
+    result.output_tokens, result.usage_reported, result.cached_tokens = 0, False, None
 
 
 async def send_with_retries(client: httpx.AsyncClient, config: ClientConfig, spec: RequestSpec,

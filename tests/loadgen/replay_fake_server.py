@@ -3,7 +3,9 @@
 `FakeServer` runs FastAPI under uvicorn in a thread on an ephemeral port. `Behavior` scripts it:
 delays before the first token and between tokens, and which requests (by arrival order, 1-based)
 get a 429 with Retry-After, a 500, an SSE error event mid-stream, or a stream that never ends.
-It records when each request arrived and the most requests it ever had in flight at once.
+It records when each request arrived and the most requests it ever had in flight at once. With
+`prefix_cache` it reports `usage.prompt_tokens_details.cached_tokens` as a word-level prefix cache
+would: the longest run of leading words the prompt shares with any prompt it saw before.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Behavior:
     hang_every: int = 0  # every k-th arrival streams one token, then nothing until cancelled
     retry_after: str = "3"
     send_usage: bool = True
+    prefix_cache: bool = False  # report cached_tokens: leading words shared with an earlier prompt
 
     def fate(self, n: int) -> str:
         for name, every in (("hang", self.hang_every), ("reject", self.reject_every), ("fail", self.fail_every),
@@ -49,6 +52,7 @@ class Log:
     client_ports: list[int] = field(default_factory=list)  # one port per TCP connection
     in_flight: int = 0
     max_in_flight: int = 0
+    prompts: list[list[str]] = field(default_factory=list)  # each prompt's words, for `prefix_cache`
 
 
 def _chunk(endpoint: str, text: str, finish: str | None = None) -> str:
@@ -57,6 +61,15 @@ def _chunk(endpoint: str, text: str, finish: str | None = None) -> str:
     else:
         choice = {"index": 0, "text": text, "finish_reason": finish}
     return "data: " + json.dumps({"id": "x", "object": "chunk", "choices": [choice]}) + "\n\n"
+
+
+def _shared(a: list[str], b: list[str]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class FakeServer:
@@ -107,11 +120,14 @@ class FakeServer:
                                                           "x-tidal-refused-by": "proxy"})
         if fate == "fail":
             return JSONResponse({"error": {"message": "boom", "type": "internal"}}, status_code=500)
-        prompt_tokens = len(str(body.get("prompt") or body.get("messages")).split())
-        return StreamingResponse(self._stream(endpoint, int(body["max_tokens"]), prompt_tokens, fate),
+        words = str(body.get("prompt") or body["messages"][-1]["content"]).split()
+        cached = max((_shared(words, seen) for seen in log.prompts), default=0) if behavior.prefix_cache else None
+        log.prompts.append(words)
+        return StreamingResponse(self._stream(endpoint, int(body["max_tokens"]), len(words), fate, cached),
                                  media_type="text/event-stream")
 
-    async def _stream(self, endpoint: str, max_tokens: int, prompt_tokens: int, fate: str) -> AsyncIterator[str]:
+    async def _stream(self, endpoint: str, max_tokens: int, prompt_tokens: int, fate: str,
+                      cached: int | None = None) -> AsyncIterator[str]:
         log, behavior = self.log, self.behavior
         log.in_flight += 1
         log.max_in_flight = max(log.max_in_flight, log.in_flight)
@@ -129,8 +145,10 @@ class FakeServer:
                 if fate == "hang":
                     await asyncio.sleep(3600)
             if behavior.send_usage:
-                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
-                         "total_tokens": prompt_tokens + max_tokens}
+                usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
+                                         "total_tokens": prompt_tokens + max_tokens}
+                if cached is not None:
+                    usage["prompt_tokens_details"] = {"cached_tokens": cached}
                 yield "data: " + json.dumps({"id": "x", "choices": [], "usage": usage}) + "\n\n"
             yield "data: [DONE]\n\n"
         finally:

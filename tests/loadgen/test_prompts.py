@@ -1,10 +1,11 @@
-"""build_prompt: English text of about the asked token count, deterministic per seed."""
+"""build_prompt: English text of about the asked token count, deterministic per seed; build_prefixed_prompt:
+the same, made of one piece per prefix id, so prompts share what their ids share."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadgen.prompts import PASSAGE_FILE, WORDS_PER_TOKEN, build_prompt
+from loadgen.prompts import PASSAGE_FILE, WORDS_PER_TOKEN, build_prefixed_prompt, build_prompt
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 100, 1000, 20_000])
@@ -39,3 +40,37 @@ def test_edge_cases() -> None:
         build_prompt(-1, seed=1)
     with pytest.raises(ValueError):
         build_prompt(10, seed=1, words_per_token=0.0)
+
+
+def _shared_words(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a.split(), b.split(), strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_prefixed_prompts_share_what_their_ids_share() -> None:
+    block = 64  # tokens per id; 48 words at 0.75 words per token
+    a = build_prefixed_prompt((1, 2, 3), 192, block)
+    assert len(a.split()) == 144 and a == build_prefixed_prompt((1, 2, 3), 192, block)
+    assert _shared_words(a, build_prefixed_prompt((1, 2, 9), 192, block)) == 96  # two blocks in common
+    assert _shared_words(a, build_prefixed_prompt((1, 7, 3), 192, block)) == 48  # a prefix ends at the first change
+    assert _shared_words(a, build_prefixed_prompt((5, 2, 3), 192, block)) < 5  # same later ids, other prefix
+    assert _shared_words(a, build_prefixed_prompt((1, 2, 3), 192, block, seed=1)) < 5  # another seed, other text
+
+
+def test_prefixed_prompt_lengths_partial_blocks_and_extra_ids() -> None:
+    block = 64
+    full = build_prefixed_prompt((4, 5), 128, block)
+    part = build_prefixed_prompt((4, 5), 100, block)  # the last block partly filled
+    assert len(part.split()) == 75 and full.startswith(part)
+    assert build_prefixed_prompt((4, 5, 6, 7), 100, block) == part  # ids past the prompt are ignored
+    longer = build_prefixed_prompt((4,), 128, block)  # more prompt than ids: a tail of its own
+    assert len(longer.split()) == 96 and _shared_words(longer, full) == 48
+    assert build_prefixed_prompt((), 40, block).split() and build_prefixed_prompt((4,), 0, block) == ""
+    with pytest.raises(ValueError):
+        build_prefixed_prompt((1,), -1, block)
+    with pytest.raises(ValueError):
+        build_prefixed_prompt((1,), 10, 0)

@@ -117,6 +117,30 @@ def test_prompt_is_sized_by_words_per_token_and_seeded_per_request() -> None:
         ClientConfig("http://x", endpoint="embeddings")  # type: ignore[arg-type]
 
 
+def test_prompts_follow_the_trace_prefix_ids_unless_turned_off() -> None:
+    cfg = ClientConfig("http://x", words_per_token=0.5)
+    first = request_body(cfg, RequestSpec(0, 64, 1, prefix_ids=(7, 8), prefix_block_size=32))["prompt"]
+    turn = request_body(cfg, RequestSpec(1, 96, 1, prefix_ids=(7, 8, 9), prefix_block_size=32))["prompt"]
+    assert len(first.split()) == 32 and turn.startswith(first + " ")  # the next turn extends the first
+    plain = ClientConfig("http://x", words_per_token=0.5, prefix_prompts=False)
+    assert not request_body(plain, RequestSpec(1, 96, 1, prefix_ids=(7, 8, 9), prefix_block_size=32)
+                            )["prompt"].startswith(first)
+    assert request_body(cfg, RequestSpec(2, 64, 1, prompt="own", prefix_ids=(7, 8)))["prompt"] == "own"
+
+
+def test_cached_tokens_are_read_from_usage(server: FakeServer) -> None:
+    server.reset(Behavior(prefix_cache=True))
+    config = ClientConfig(server.url, model="fake-model")
+
+    async def go() -> list[RequestResult]:
+        async with make_http_client(config) as client:
+            return [await send_request(client, config, RequestSpec(i, 0, 2, prompt=p))
+                    for i, p in enumerate(("a b c d", "a b c e f", "z"))]
+
+    assert [r.cached_tokens for r in asyncio.run(go())] == [0, 3, 0]
+    assert _send(server, Behavior(), RequestSpec(0, 10, 2)).cached_tokens is None  # not reported: unknown
+
+
 def test_discover_model(server: FakeServer) -> None:
     async def go(url: str) -> str | None:
         async with httpx.AsyncClient() as client:

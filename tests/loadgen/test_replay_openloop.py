@@ -164,3 +164,27 @@ def test_pool_shards_follow_the_busiest_window() -> None:
     assert pool_shards_for(_trace(3000, 100.0)) in (63, 64)  # 100/s for 10 s (an arrival may sit on the edge)
     assert pool_shards_for(_trace(10, 1.0)) == 1
     assert pool_shards_for(_trace(60000, 1000.0)) == 256  # ceiling
+
+
+def test_a_trace_with_prefix_ids_shares_prompts_and_reports_the_cache(server: FakeServer, tmp_path: Path) -> None:
+    # Three turns of one conversation (each extends the one before) and one unrelated prompt.
+    ids = [(1,), (1, 2), (1, 2, 3), (9,)]
+    trace = Trace("turns", np.arange(4) / 20.0, [40, 80, 120, 40], [2] * 4, duration_s=0.2, prefix_ids=ids,
+                  prefix_block_size=40)
+    report = _run(server, Behavior(prefix_cache=True), trace, tmp_path)
+    rows = _records(tmp_path)
+    words = [r["input_tokens"] for r in rows]  # the fake server counts words
+    assert [r["cached_tokens"] for r in rows] == [0, words[0], words[1], 0]
+    cache = report.summary["prefix_cache"]
+    assert cache == {"requests": 4, "requests_with_hits": 2, "cached_tokens": words[0] + words[1],
+                     "prompt_tokens": sum(words), "hit_rate": round((words[0] + words[1]) / sum(words), 4)}
+    server.reset(Behavior(prefix_cache=True))
+    replay(trace, ClientConfig(server.url, model="fake-model", prefix_prompts=False),
+           ReplayConfig(progress=False, plots=False), tmp_path / "plain")
+    # Unrelated prompts: at most a chance first word or two in common.
+    assert max(r["cached_tokens"] for r in _records(tmp_path / "plain")) <= 2
+
+
+def test_no_prefix_cache_figures_without_the_field(server: FakeServer, tmp_path: Path) -> None:
+    report = _run(server, Behavior(), _trace(3, 20.0), tmp_path)
+    assert "prefix_cache" not in report.summary and _records(tmp_path)[0]["cached_tokens"] is None
