@@ -33,6 +33,16 @@ request) corrects the record: the prompt's hashes leave the chosen unit's prefix
 this choice added) and join the accepting unit's, and its hold moves there, so a later turn of
 the prompt follows its KV, not the first choice.
 
+The front gates' polls. Each front gate (serve_app/front_gate.py, in the proxy and in each
+ingress replica) keeps one snapshot per unit, refreshed by polling `ServingUnit.load_stats`
+through this router, and believes a snapshot for 5 s. A poll is not a request to place: it goes
+to the unit this router polled least recently (`POLL_METHOD`), so that with N units each gate
+sees every one of them every N polls. Placed by load, as a generate call is, the polls went to
+the least-loaded units and the proxy's gate, which sees units only through its polls, lost sight
+of the busiest: it then counted the requests it had sent them as still on their way and priced
+them all onto the units it saw, and refused at the door what the fleet would have served
+(benchmarks/RESULTS.md, "Cache-aware routing in Serve").
+
 Router kwargs (`request_router_kwargs`): `seed`, `prefix_routing`, `block_size` and
 `index_blocks` (the units' KV block size and pool, which bound each unit's index) and
 `prefix_cache_namespace` (the units' `SchedulerConfig.prefix_cache_namespace`).
@@ -42,6 +52,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import random
 import time
 from collections.abc import Mapping
@@ -69,6 +80,9 @@ def carried_hashes(pending_request: PendingRequest | None) -> PromptHashes | Non
     hashes = getattr(pending_request.args[0], "prompt_hashes", None)
     return hashes if isinstance(hashes, PromptHashes) else None
 
+
+POLL_METHOD = "load_stats"
+"""The front gates' poll (`ServingUnit.load_stats`): sent to each unit in turn, not placed by load."""
 
 ON_THE_WAY_S = 5.0
 """A request sent counts against its unit's report at most this long (a report lost on the way)."""
@@ -124,6 +138,7 @@ class TidalRequestRouter(FIFOMixin, RequestRouter):
             self._prefix = PrefixAwareRouter(PrefixRoutingConfig(index_blocks=index_blocks, block_size=block_size),
                                              self._rng)
         self._scheme = HashScheme(block_size, prefix_cache_namespace)
+        self._polled: dict[str, float] = {}  # unit -> when this router last sent it a front gate's poll
         self._on_the_way: dict[str, _OnTheWay] = {}
         # id(pending request) -> (unit chosen, its block hashes or None, the tokens of it the chosen unit's
         # index held before, its hold entry), until Serve says
@@ -135,6 +150,8 @@ class TidalRequestRouter(FIFOMixin, RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        if getattr(getattr(pending_request, "metadata", None), "call_method", None) == POLL_METHOD:
+            return self._next_to_poll(candidate_replicas)
         rng = getattr(self, "_rng", None) or random.Random()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         now = time.monotonic()
@@ -177,6 +194,19 @@ class TidalRequestRouter(FIFOMixin, RequestRouter):
                                       or now - next(iter(chosen_for.values()))[3][0] > ON_THE_WAY_S):
                     chosen_for.popitem(last=False)
                 chosen_for[id(pending_request)] = (chosen, hashes or None, cached, entry)
+        return [[first], [r for r in candidate_replicas if r is not first]]
+
+    def _next_to_poll(self, candidate_replicas: list[RunningReplica]) -> list[list[RunningReplica]]:
+        """The unit polled least recently (never polled first), then the rest: each in turn."""
+        polled = getattr(self, "_polled", None)
+        if polled is None:
+            polled = self._polled = {}
+        ids = {r.replica_id.unique_id for r in candidate_replicas}
+        for gone in [u for u in polled if u not in ids]:
+            del polled[gone]
+        first = min(candidate_replicas, key=lambda r: (polled.get(r.replica_id.unique_id, -math.inf),
+                                                       r.replica_id.unique_id))
+        polled[first.replica_id.unique_id] = time.monotonic()
         return [[first], [r for r in candidate_replicas if r is not first]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:

@@ -178,3 +178,22 @@ def test_a_prompt_that_serve_sent_elsewhere_is_followed_there() -> None:
     r.on_request_routed(req, other.replica_id, None)
     assert [choose(r, replicas, pending([*system, 20 + i])) for i in range(4)] == [other.replica_id.unique_id] * 4
     r.on_request_routed(pending([1]), other.replica_id, None)  # a request it never chose: ignored
+
+
+def poll() -> Any:
+    return SimpleNamespace(args=[[]], kwargs={}, metadata=SimpleNamespace(call_method="load_stats"))
+
+
+def test_the_front_gates_polls_visit_every_unit_in_turn_whatever_their_load() -> None:
+    # Placed by load, the polls went to the least-loaded units: a gate that sees units only
+    # through its polls lost sight of the busiest one.
+    r = router()
+    replicas = [replica("idle-a"), replica("idle-b"), replica("busy", delay=3.0), replica("busier", delay=9.0)]
+    seen = [choose(r, replicas, poll(), reported=False) for _ in range(8)]
+    assert sorted(seen[:4]) == sorted(["idle-a", "idle-b", "busy", "busier"]) and seen[4:] == seen[:4]
+    grown = [*replicas, replica("new")]  # a unit added: polled next; one removed: forgotten
+    assert choose(r, grown, poll(), reported=False) == "new"
+    rest = [x for x in grown if x.replica_id.unique_id != seen[0]]  # the next in line, removed
+    assert choose(r, rest, poll(), reported=False) == seen[1] and seen[0] not in r._polled
+    # A generate call is still placed by load.
+    assert choose(r, replicas, pending(list(range(100))), reported=False) in ("idle-a", "idle-b")
