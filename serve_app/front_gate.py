@@ -246,6 +246,7 @@ class FrontGate:
             if self._on_refusal is not None:
                 self._on_refusal(verdict.reason)
             return _rate_limited(verdict)
+        tokens = self.admission.on_the_way_tokens(self.sightings.values(), now, tokens)  # what it puts ahead
         if self.count_arrivals:
             self._sent.append((tokens, now))
             self._num_sent += 1

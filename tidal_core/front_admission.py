@@ -313,6 +313,21 @@ class FrontAdmission:
             refusals.append(refusal)
         return min(refusals, key=lambda r: r.retry_after_s, default=None)
 
+    def on_the_way_tokens(self, sightings: Iterable[Sighting], now: float, prompt_tokens: int) -> int:
+        """What a request this front end lets through counts for while it is on its way (the
+        prefill the requests behind it are priced to wait for): its prompt, or nothing when every
+        fresh unit's `prompt_over_target` rule would refuse its whole prompt. Such a prompt passed
+        here only on the unit's average cached share (the door cannot see its own hit): its unit
+        refuses it, unless its cache holds most of it, and either way it puts almost no prefill
+        ahead of the requests behind it. Counted whole, one at the head of a burst had the door
+        refuse the short prompts behind it that the unit served (benchmarks/RESULTS.md,
+        "Cache-aware routing in Serve")."""
+        units = [s.load for s in sightings if 0.0 <= now - s.seen_s <= self.max_age_s]
+        if self.config.enabled and self.config.mode != "protect" and units and all(
+                0 < u.alone_limit_tokens < prompt_tokens for u in units):
+            return 0
+        return prompt_tokens
+
     def unit_verdict(self, load: UnitLoad, age_s: float, prompt_tokens: int = 0,
                      waited_s: float = 0.0, on_the_way: OnTheWay = NOTHING_ON_THE_WAY) -> FrontRefusal | None:
         """What the unit of `load` would answer a request of about `prompt_tokens` let through

@@ -26,7 +26,7 @@ from tidal_core import (
     preset,
 )
 from tidal_core.admission import AdmissionController, AloneFit
-from tidal_core.front_admission import FrontAdmission, Sighting, published_load
+from tidal_core.front_admission import FrontAdmission, OnTheWay, Sighting, published_load
 
 
 def _unit(**admission: object) -> Scheduler:
@@ -225,3 +225,23 @@ def test_the_front_gate_scales_by_the_cached_share_and_leaves_work_ahead_to_the_
     # With several units, one that would admit it (not over capacity: no limit) lets it through.
     calm = dataclasses.replace(load, unit_id="v", cached_share=0.0, alone_limit_tokens=0, regime=Regime.STEADY)
     assert front.check([Sighting(load, 0.0), Sighting(calm, 0.0)], 0.0, 3 * limit) is None
+
+
+def test_a_prompt_let_through_on_the_cached_share_alone_puts_nothing_ahead_of_the_burst_behind_it() -> None:
+    # Mooncake's bursts in Serve: a 7,000-token prompt at a burst's head passed the door on the
+    # unit's average cached share, its unit then refused it (its own hit was small), and counted
+    # whole on its way it had the door refuse the short prompts behind it that the unit served.
+    load = dataclasses.replace(published_load(_overloaded(), 0.0, "u"), cached_share=0.5)
+    front, limit = FrontAdmission(_unit().config.admission), load.alone_limit_tokens
+    seen, head, short = [Sighting(load, 0.0)], int(1.5 * limit), limit // 4
+    assert front.check(seen, 0.0, head) is None  # let through on the average share
+    assert front.on_the_way_tokens(seen, 0.0, head) == 0
+    assert front.on_the_way_tokens(seen, 0.0, short) == short  # one it would start: counted whole
+    whole = front.check(seen, 0.0, short, on_the_way=OnTheWay(head, 1))
+    assert whole is not None and whole.reason == "prefill_backlog"  # as it was
+    assert front.check(seen, 0.0, short, on_the_way=OnTheWay(front.on_the_way_tokens(seen, 0.0, head), 1)) is None
+    # A unit that would start the whole prompt (not over capacity: no limit), or a stale snapshot
+    # (not believed), leaves it counted whole.
+    calm = dataclasses.replace(load, unit_id="v", alone_limit_tokens=0, regime=Regime.STEADY)
+    assert front.on_the_way_tokens([*seen, Sighting(calm, 0.0)], 0.0, head) == head
+    assert front.on_the_way_tokens(seen, 60.0, head) == head
