@@ -10,7 +10,7 @@ Prometheus scrapes it: Serve's `replica_healthy` names the application's units, 
 from __future__ import annotations
 
 import asyncio
-import copy
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,11 +18,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.system_prompts import system_prompt
-from tests.integration.conftest import ROOT, ServeCluster, deployed_beside
+from tests.integration.conftest import ServeCluster, deployed_beside
+from tests.integration.reliability.cluster import app_from_config, routed_fleet
 
 pytestmark = pytest.mark.ray
 APP, PREFIX, UNITS = "fleet", "/fleet", 2
@@ -32,15 +32,10 @@ BLOCK = 16  # the simulated unit's KV block size (engine.block_size's default)
 
 def fleet_app() -> dict[str, Any]:
     """configs/sim.yaml's application with two units and configs/prod.yaml's request router."""
-    (app,) = yaml.safe_load((ROOT / "configs" / "sim.yaml").read_text())["applications"]
-    prod = yaml.safe_load((ROOT / "configs" / "prod.yaml").read_text())
-    (prod_unit,) = [d for a in prod["applications"] for d in a["deployments"] if d["name"] == "ServingUnit"]
-    app = copy.deepcopy(app)
+    app = routed_fleet(app_from_config("sim", APP, PREFIX), UNITS)
     (unit,) = [d for d in app["deployments"] if d["name"] == "ServingUnit"]
-    unit["num_replicas"] = UNITS
-    unit["request_router_config"] = prod_unit["request_router_config"]
     assert unit["request_router_config"]["request_router_class"].endswith(":TidalRequestRouter")
-    return {**app, "name": APP, "route_prefix": PREFIX}
+    return app
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +124,30 @@ def test_each_prefix_goes_back_to_the_unit_that_holds_it(fleet: str, serve_clust
     hits = _per_unit(serve_cluster, "ray_tidal_prefix_cache_hit_requests_total",
                      lambda v: all(v.get(u, 0) > before.get(u, 0) for u in v))
     assert all(hits[u] > before.get(u, 0) for u in hits), (before, hits)  # prefixes on both units, each kept
+
+
+def test_a_replayed_trace_with_prefix_ids_meets_its_own_reuse(fleet: str, tmp_path: Any) -> None:
+    # What `tidal replay` sends for a trace with prefix ids (Mooncake's hash_ids): three
+    # conversations of three turns, each turn repeating the one before and adding a block, sent
+    # 1.5 s apart (the units report once a second, so each turn's router sees its history's unit).
+    # Every later turn must be told (usage.prompt_tokens_details.cached_tokens) that the history
+    # was cached: the prompts share the trace's prefixes, and the router sent the turn to its KV.
+    import numpy as np
+
+    from loadgen.client import ClientConfig
+    from loadgen.records import Trace
+    from loadgen.replay import ReplayConfig, replay_async
+
+    block = 512  # tokens per prefix id, as in Mooncake (the router's index keeps every 256th token's hash)
+    ids = [tuple(range(100 * c, 100 * c + t + 1)) for t in range(3) for c in range(3)]
+    trace = Trace("turns", np.arange(9) * 1.5, [block * len(i) for i in ids], [2] * 9, duration_s=13.5,
+                  prefix_ids=ids, prefix_block_size=block)
+    report = asyncio.run(replay_async(trace, ClientConfig(fleet, model=SIM_MODEL), ReplayConfig(
+        progress=False, plots=False, retries=None), tmp_path))
+    rows = sorted(((json.loads(line)) for line in (tmp_path / "requests.jsonl").read_text().splitlines()),
+                  key=lambda r: r["index"])
+    assert [r["status"] for r in rows] == ["ok"] * 9, rows
+    for r in rows[3:]:  # the turn before is this one's start: all of it but its last partial block is cached
+        previous = rows[r["index"] - 3]
+        assert previous["input_tokens"] - 2 * BLOCK <= r["cached_tokens"] < r["input_tokens"], (previous, r)
+    assert report.summary["prefix_cache"]["requests_with_hits"] >= 6

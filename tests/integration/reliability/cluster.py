@@ -174,6 +174,33 @@ def app_from_config(config: str, name: str, route_prefix: str, *, streaming: dic
     return {**app, "name": name, "route_prefix": route_prefix}
 
 
+def prod_unit_deployment() -> dict[str, Any]:
+    """configs/prod.yaml's ServingUnit deployment, as written."""
+    import yaml
+
+    prod = yaml.safe_load((ROOT / "configs" / "prod.yaml").read_text())
+    (unit,) = [d for a in prod["applications"] for d in a["deployments"] if d["name"] == "ServingUnit"]
+    return dict(unit)
+
+
+def routed_fleet(app: dict[str, Any], units: int, router_kwargs: dict[str, Any] | None = None,
+                 stats_period_s: float | None = None) -> dict[str, Any]:
+    """`app` with `units` ServingUnit replicas behind configs/prod.yaml's request router
+    (`TidalRequestRouter`, its routing-stats period unless `stats_period_s`), with
+    `request_router_kwargs` if given (e.g. `{"prefix_routing": False}` for least-loaded routing)."""
+    import copy
+
+    deployments = copy.deepcopy(app["deployments"])
+    (unit,) = [d for d in deployments if d["name"] == "ServingUnit"]
+    unit["num_replicas"] = units
+    unit["request_router_config"] = copy.deepcopy(prod_unit_deployment()["request_router_config"])
+    if router_kwargs:
+        unit["request_router_config"]["request_router_kwargs"] = dict(router_kwargs)
+    if stats_period_s is not None:
+        unit["request_router_config"]["request_routing_stats_period_s"] = stats_period_s
+    return {**app, "deployments": deployments}
+
+
 def autoscaled(app: dict[str, Any], max_units: int, policy_kwargs: dict[str, Any],
                look_back_period_s: float = 15.0) -> dict[str, Any]:
     """`app` with its ServingUnit deployment autoscaled as configs/prod.yaml autoscales it (the
@@ -181,10 +208,7 @@ def autoscaled(app: dict[str, Any], max_units: int, policy_kwargs: dict[str, Any
     unit at the start."""
     import copy
 
-    import yaml
-
-    prod = yaml.safe_load((ROOT / "configs" / "prod.yaml").read_text())
-    (prod_unit,) = [d for a in prod["applications"] for d in a["deployments"] if d["name"] == "ServingUnit"]
+    prod_unit = prod_unit_deployment()
     deployments = copy.deepcopy(app["deployments"])
     (unit,) = [d for d in deployments if d["name"] == "ServingUnit"]
     unit.pop("num_replicas", None)
