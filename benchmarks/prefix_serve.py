@@ -8,6 +8,9 @@ prompts share (`loadgen.prompts.build_prefixed_prompt`), so the units' prefix ca
 router's prefix index meet the reuse the trace recorded, through the whole Serve path: the proxy,
 the front gates, the ingress's tokenizer and block hashes, `TidalRequestRouter` and the units'
 caches. Each response's `usage.prompt_tokens_details.cached_tokens` says what the unit reused.
+Beside each run, request by request against the simulator (`request_by_request`): what Serve did
+with the requests the simulator served within the SLO, and the TTFT difference by prompt length.
+`--rescore DIR` computes it all again from a recorded run, without Serve.
 
 The fleet: configs/sim.yaml's application (simulated A100 70B TP8 units, prefix caching on) with
 `--units` ServingUnit replicas behind configs/prod.yaml's request router; `prefix_routing` true
@@ -17,6 +20,7 @@ thinned or replicated to `--rate` x its recorded rate). Prompts clipped to `--ma
 and outputs to `--max-output`, so that both fit the units' 8,192-token context.
 
     RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled python benchmarks/prefix_serve.py --out DIR
+    python benchmarks/prefix_serve.py --rescore DIR [the run's own arguments] --out OTHER_DIR
 """
 
 from __future__ import annotations
@@ -24,14 +28,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' harness is the benchmark's too
 
+import numpy as np
+
 from loadgen.records import Trace
-from loadgen.report import Slo
+from loadgen.report import OK, RunOutcomes, Slo
 from loadgen.traces import load_trace
 from tests.integration.reliability.cluster import app_from_config, machine, routed_fleet, serve_cluster
 from tests.integration.reliability.load import meets_slo, run_load, sim_unit
@@ -65,8 +72,9 @@ def serve_figures(records: list[dict[str, Any]], summary: dict[str, Any], durati
             "tpot_p99_ms": summary.get("tpot_p99_ms"), "prefix_cache": summary.get("prefix_cache")}
 
 
-def simulate(trace: Trace, units: int, routing: str, slo: Slo) -> dict[str, Any]:
-    """The simulator's fleet of the same units on the same trace, routed `routing` ("load" / "prefix")."""
+def simulate(trace: Trace, units: int, routing: str, slo: Slo) -> tuple[dict[str, Any], RunOutcomes]:
+    """The simulator's fleet of the same units on the same trace, routed `routing` ("load" /
+    "prefix"): its figures and its per-request outcomes."""
     from loadgen.sim.runner import RunSpec, run_policy
 
     cost, base = sim_unit()
@@ -75,7 +83,39 @@ def simulate(trace: Trace, units: int, routing: str, slo: Slo) -> dict[str, Any]
     s = run.summary
     row = {k: s.get(k) for k in ("arrived", "completed", "goodput_rps", "ttft_p50_ms", "ttft_p99_ms", "tpot_p99_ms")}
     row.update({k: round(v, 4) for k, v in run.run.prefix_cache.items()})
-    return row
+    return row, run.run.outcomes
+
+
+def _spread(values: list[float]) -> list[float] | None:
+    return [round(float(v), 3) for v in np.percentile(values, [10, 50, 90])] if values else None
+
+
+def request_by_request(records: list[dict[str, Any]], sim: RunOutcomes, trace: Trace, slo: Slo) -> dict[str, Any]:
+    """Serve against the simulator, request by request on the same trace: what Serve did with the
+    requests the simulator served within the SLO (and, for those refused for a backlog,
+    the door's predicted TTFT from the 429's message against the simulator's TTFT), and Serve's
+    TTFT minus the simulator's for the requests both completed, by prompt length (seconds)."""
+    meets = sim.meets_slo(slo)
+    fates: dict[str, int] = {}
+    predicted, sim_ttft = [], []
+    for i, r in enumerate(records):
+        if not meets[i]:
+            continue
+        key = r["status"] if r["status"] != "rejected" else f"refused by {r.get('refused_by') or 'unknown'}"
+        fates[key] = fates.get(key, 0) + 1
+        found = re.search(r"first token ([0-9.]+)s", r.get("error") or "")
+        if r["status"] == "rejected" and found:
+            predicted.append(float(found.group(1)))
+            sim_ttft.append(float(sim.ttft_s[i]))
+    bands: dict[str, Any] = {}
+    for lo, hi in ((0, 2000), (2000, 5000), (5000, 1 << 30)):
+        delta = [r["ttft_s"] - float(sim.ttft_s[i]) for i, r in enumerate(records) if r["status"] == "ok"
+                 and sim.status[i] == OK and lo <= trace.input_tokens[i] < hi]
+        bands[f"{lo}-{hi if hi < 1 << 30 else ''}"] = {"n": len(delta), "serve_minus_sim_s": _spread(delta)}
+    return {"simulator_within_slo_in_serve": fates,
+            "refused_for_backlog": {"n": len(predicted), "predicted_ttft_s": _spread(predicted),
+                                  "simulator_ttft_s": _spread(sim_ttft)},
+            "ttft_serve_minus_simulator_by_prompt_tokens": bands}
 
 
 def table(rows: dict[str, dict[str, Any]]) -> str:
@@ -105,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stats-period", type=float, default=None,
                    help="the units' routing-stats period, seconds (default: configs/prod.yaml's)")
     p.add_argument("--out", type=Path, default=Path("runs/prefix-serve"))
+    p.add_argument("--rescore", type=Path, metavar="DIR",
+                   help="no Serve run: the figures again from DIR's recorded runs (with the arguments they had)")
     args = p.parse_args(argv)
     slo = Slo()
     trace = mooncake(args.hours, args.offset_min, args.rate, args.max_input, args.max_output, args.seed)
@@ -114,10 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{trace.name}: {len(trace)} requests over {trace.duration_s:.0f} s, {args.units} units", flush=True)
     for kind in args.routing or list(ROUTINGS):
         app = routed_fleet(app_from_config("sim", APP, f"/{APP}"), args.units, ROUTINGS[kind], args.stats_period)
-        with serve_cluster([app]) as base:
-            run = asyncio.run(run_load(f"{base}/{APP}", APP, trace, args.out / kind, drain_timeout_s=180.0))
-        row = {"serve": serve_figures(run.records, run.summary, trace.duration_s, slo),
-               "simulator": simulate(trace, args.units, kind, slo)}
+        if args.rescore is None:
+            with serve_cluster([app]) as base:
+                run = asyncio.run(run_load(f"{base}/{APP}", APP, trace, args.out / kind, drain_timeout_s=180.0))
+            records, summary = run.records, run.summary
+        else:  # a recorded run again, with the arguments it was made with
+            lines = (args.rescore / kind / "requests.jsonl").read_text().splitlines()
+            records = sorted((json.loads(line) for line in lines), key=lambda r: r["index"])
+            summary = json.loads((args.rescore / kind / "summary.json").read_text())[APP]
+        sim_row, sim_outcomes = simulate(trace, args.units, kind, slo)
+        row = {"serve": serve_figures(records, summary, trace.duration_s, slo), "simulator": sim_row,
+               "request_by_request": request_by_request(records, sim_outcomes, trace, slo)}
         report["runs"][kind] = row
         print(kind, json.dumps(row), flush=True)
     runs = report["runs"]
