@@ -41,7 +41,7 @@ from loadgen.records import Trace
 from loadgen.report import OK, RunOutcomes, Slo
 from loadgen.traces import load_trace
 from tests.integration.reliability.cluster import app_from_config, machine, routed_fleet, serve_cluster
-from tests.integration.reliability.load import meets_slo, run_load, sim_unit
+from tests.integration.reliability.load import meets_slo, read_records, run_load, sim_unit
 
 APP = "fleet"
 ROUTINGS = {"load": {"prefix_routing": False}, "prefix": {"prefix_routing": True}}
@@ -161,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                 run = asyncio.run(run_load(f"{base}/{APP}", APP, trace, args.out / kind, drain_timeout_s=180.0))
             records, summary = run.records, run.summary
         else:  # a recorded run again, with the arguments it was made with
-            lines = (args.rescore / kind / "requests.jsonl").read_text().splitlines()
-            records = sorted((json.loads(line) for line in lines), key=lambda r: r["index"])
+            records = read_records(args.rescore / kind)
             summary = json.loads((args.rescore / kind / "summary.json").read_text())[APP]
         sim_row, sim_outcomes = simulate(trace, args.units, kind, slo)
         row = {"serve": serve_figures(records, summary, trace.duration_s, slo), "simulator": sim_row,

@@ -87,7 +87,8 @@ MAX_UNDELIVERED = 4096  # refusals kept for the next poll while none gets throug
 
 @dataclasses.dataclass(eq=False)
 class _Ticket:
-    """A request let through, not yet seen by its unit: its estimated prompt tokens, when it left,
+    """A request let through, not yet seen by its unit: the prompt tokens it puts ahead of the
+    requests behind it (its estimate, or none: `FrontAdmission.on_the_way_tokens`), when it left,
     how long it had waited then (since the proxy's arrival stamp), how many requests were on the
     way with it (itself included), its body's bytes and, from its unit's verdict, its wait when
     the unit received it and its prompt's tokens."""
@@ -246,11 +247,11 @@ class FrontGate:
             if self._on_refusal is not None:
                 self._on_refusal(verdict.reason)
             return _rate_limited(verdict)
-        tokens = self.admission.on_the_way_tokens(self.sightings.values(), now, tokens)  # what it puts ahead
+        ahead = self.admission.on_the_way_tokens(self.sightings.values(), now, tokens)  # what it puts ahead
         if self.count_arrivals:
-            self._sent.append((tokens, now))
+            self._sent.append((ahead, now))
             self._num_sent += 1
-        ticket = _Ticket(tokens, now, waited_s, way.requests + 1, body_bytes)
+        ticket = _Ticket(ahead, now, waited_s, way.requests + 1, body_bytes)
         self._pending.add(ticket)
         _TICKET.set(ticket)
         return None

@@ -10,19 +10,23 @@ Prometheus scrapes it: Serve's `replica_healthy` names the application's units, 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.system_prompts import system_prompt
+from loadgen.client import ClientConfig
+from loadgen.records import Trace
+from loadgen.replay import ReplayConfig, replay_async
 from tests.integration.conftest import ServeCluster, deployed_beside
 from tests.integration.reliability.cluster import app_from_config, routed_fleet
+from tests.integration.reliability.load import read_records
 
 pytestmark = pytest.mark.ray
 APP, PREFIX, UNITS = "fleet", "/fleet", 2
@@ -132,20 +136,13 @@ def test_a_replayed_trace_with_prefix_ids_meets_its_own_reuse(fleet: str, tmp_pa
     # 1.5 s apart (the units report once a second, so each turn's router sees its history's unit).
     # Every later turn must be told (usage.prompt_tokens_details.cached_tokens) that the history
     # was cached: the prompts share the trace's prefixes, and the router sent the turn to its KV.
-    import numpy as np
-
-    from loadgen.client import ClientConfig
-    from loadgen.records import Trace
-    from loadgen.replay import ReplayConfig, replay_async
-
     block = 512  # tokens per prefix id, as in Mooncake (the router's index keeps every 256th token's hash)
     ids = [tuple(range(100 * c, 100 * c + t + 1)) for t in range(3) for c in range(3)]
     trace = Trace("turns", np.arange(9) * 1.5, [block * len(i) for i in ids], [2] * 9, duration_s=13.5,
                   prefix_ids=ids, prefix_block_size=block)
     report = asyncio.run(replay_async(trace, ClientConfig(fleet, model=SIM_MODEL), ReplayConfig(
         progress=False, plots=False, retries=None), tmp_path))
-    rows = sorted(((json.loads(line)) for line in (tmp_path / "requests.jsonl").read_text().splitlines()),
-                  key=lambda r: r["index"])
+    rows = read_records(tmp_path)
     assert [r["status"] for r in rows] == ["ok"] * 9, rows
     for r in rows[3:]:  # the turn before is this one's start: all of it but its last partial block is cached
         previous = rows[r["index"] - 3]

@@ -206,18 +206,15 @@ def autoscaled(app: dict[str, Any], max_units: int, policy_kwargs: dict[str, Any
     """`app` with its ServingUnit deployment autoscaled as configs/prod.yaml autoscales it (the
     tidalserve policy with `policy_kwargs`, prod's request router, Serve's own delays zeroed), one
     unit at the start."""
-    import copy
-
     prod_unit = prod_unit_deployment()
-    deployments = copy.deepcopy(app["deployments"])
-    (unit,) = [d for d in deployments if d["name"] == "ServingUnit"]
-    unit.pop("num_replicas", None)
-    unit["request_router_config"] = prod_unit["request_router_config"]
+    app = routed_fleet(app, 1)
+    (unit,) = [d for d in app["deployments"] if d["name"] == "ServingUnit"]
+    unit.pop("num_replicas")
     policy = {**prod_unit["autoscaling_config"]["policy"], "policy_kwargs": policy_kwargs}
     unit["autoscaling_config"] = {**prod_unit["autoscaling_config"], "min_replicas": 1, "initial_replicas": 1,
                                   "max_replicas": max_units, "look_back_period_s": look_back_period_s,
                                   "policy": policy}
-    return {**app, "deployments": deployments}
+    return app
 
 
 @contextlib.contextmanager

@@ -189,9 +189,13 @@ async def run_load(base_url: str, app: str, trace: Trace, out_dir: Path, *, mode
             prober.cancel()
         stop.set()
         samples = await watcher
+    return LoadRun(read_records(out_dir), report.summary, samples, trace, time.perf_counter() - t0, probed)
+
+
+def read_records(out_dir: Path) -> list[dict[str, Any]]:
+    """A replay's `requests.jsonl` in `out_dir`, sorted by index."""
     lines = (out_dir / "requests.jsonl").read_text().splitlines()
-    records = sorted((json.loads(line) for line in lines), key=lambda r: r["index"])
-    return LoadRun(records, report.summary, samples, trace, time.perf_counter() - t0, probed)
+    return sorted((json.loads(line) for line in lines), key=lambda r: r["index"])
 
 
 def pct(values: list[float], q: float) -> float | None:
