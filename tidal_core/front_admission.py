@@ -15,8 +15,8 @@ final authority for every request let through:
 
 - `queue_full`: the unit's queue held `max_queue_len` requests;
 - `prefill_backlog`: work will still be ahead when the request arrives, and the time it already
-  waited plus the work ahead plus its own prefill exceeds the unit's published limit
-  (`target_ttft_s` in OVERLOAD, `burst_factor` x it otherwise, times the unit's learned
+  waited plus the work ahead plus its own prefill (uncached estimates, as below) exceeds the
+  unit's published limit (`target_ttft_s` in OVERLOAD, `burst_factor` x it otherwise, times the unit's learned
   admission aim: core/admission.py `TtftAim`). The work ahead is the snapshot's predicted
   queueing delay less the time since the snapshot (the unit drains while the snapshot ages),
   then the prompts the front end let through since (in a burst, hundreds arrive before any
@@ -31,8 +31,9 @@ final authority for every request let through:
   longer than the unit's published `alone_limit_tokens` (the rule's bound and learned ratio,
   inverted by the unit: core/admission.py `AdmissionController.alone_limit_tokens`). The limit
   counts the tokens the unit's prefix cache will not hold, which the front end cannot see, so
-  the estimate is scaled by the unit's published `cached_share`; and the time the request
-  waited, which the unit adds, is left out, so this errs towards letting through;
+  it counts the estimate less what the unit's published line of cached tokens says a prompt of
+  its length finds cached (`UnitLoad.uncached_tokens`, core/cached_fit.py); and the time the
+  request waited, which the unit adds, is left out, so this errs towards letting through;
 - `costly_prompt` (checked right after `queue_full`, in the unit's order): the unit is over its
   capacity and the prompt (its uncached estimate, as above) is longer than the unit's published
   `costly_limit_tokens`, the longest it serves now (core/costly_prompts.py); retry after the
@@ -110,8 +111,9 @@ def published_load(sched: Scheduler, now: float, unit_id: str = "") -> UnitLoad:
     """`sched`'s snapshot with `prefill_s_per_token`: how much a prompt's tokens add to its
     predicted TTFT now (the measured prefill speed, corrections included), `burst_s_per_token`:
     the same per token of `BURST_REQUESTS` prompts arriving together (the last one's TTFT),
-    `ttft_limit_s`, and `alone_limit_tokens` with `cached_share` (the `prompt_over_target` rule's
-    longest prompt, on the unit's own bound per token, and how much of a prompt its cache held)."""
+    `ttft_limit_s`, `alone_limit_tokens` (the `prompt_over_target` rule's longest prompt, on the
+    unit's own bound per token) and `cached_fixed_tokens` with `cached_share` (how much of an
+    arriving prompt its cache holds: core/cached_fit.py)."""
     snap = sched.snapshot(now, unit_id)
     with_prompt = sched.predicted_queue_delay_s(now, _PROBE_TOKENS)
     per_token = max(0.0, with_prompt - snap.queue_delay_s) / _PROBE_TOKENS
@@ -120,12 +122,13 @@ def published_load(sched: Scheduler, now: float, unit_id: str = "") -> UnitLoad:
     alone_per_token = sched.view.alone_prefill_s(_PROBE_TOKENS) / _PROBE_TOKENS
     ratio, clear = sched.load.overload(now)
     costly = sched.admission.costly_limit_tokens(snap.regime, sched.load, ratio)
+    fixed, share = sched.q.cached_fit.line()
     return dataclasses.replace(snap, prefill_s_per_token=per_token,
                                burst_s_per_token=max(per_token, (with_burst - snap.queue_delay_s) / burst_tokens),
                                num_arrived=sched.stats.num_arrived,
                                ttft_limit_s=sched.admission.limit_s(snap.regime),
                                alone_limit_tokens=sched.admission.alone_limit_tokens(snap.regime, alone_per_token),
-                               cached_share=sched.stats.prefix_cache_hit_rate,
+                               cached_fixed_tokens=fixed, cached_share=share,
                                costly_limit_tokens=costly if costly < UNLIMITED else 0,
                                overload_clear_s=clear)
 
@@ -136,17 +139,17 @@ def absorb_door_refusals(sched: Scheduler, now: float, prompt_tokens: Sequence[i
     they count as the unit's arrivals in its load estimate and, refused, in its refusal meter, as
     they would had they reached it. Without this the unit's load saw only what the door let
     through, about its capacity in any overload, so its regime stayed short of OVERLOAD and an
-    autoscaler reading its load and refusals missed the demand turned away. Their prompts, scaled
-    by the unit's cached share, join the `costly_prompt` rule's sample (core/costly_prompts.py: a
-    sample without the long prompts the door refused would lower the limit with every refusal).
+    autoscaler reading its load and refusals missed the demand turned away. Their prompts, less
+    what the unit's cache would hold of each (its `cached_fit`), join the `costly_prompt` rule's
+    sample (core/costly_prompts.py: a sample without the long prompts the door refused would
+    lower the limit with every refusal).
     They do not count in `num_arrived` (the requests on the way) nor in the prompt mean."""
     num_refused = len(prompt_tokens)
     if num_refused > 0:
         sched.load.on_arrivals_elsewhere(now, float(num_refused))
         sched.view.refusals.on_arrival(now, True, float(num_refused))
         if sched.admission.config.shed_costly_prompts_in_overload:
-            uncached = 1.0 - sched.stats.prefix_cache_hit_rate
-            sched.admission.costly.observe_many(int(n * uncached) for n in prompt_tokens)
+            sched.admission.costly.observe_many(sched.q.cached_fit.uncached(n) for n in prompt_tokens)
 
 
 def price_per_token(load: UnitLoad, num_requests: int) -> float:
@@ -317,7 +320,7 @@ class FrontAdmission:
         """What a request this front end lets through counts for while it is on its way (the
         prefill the requests behind it are priced to wait for): its prompt, or nothing when every
         fresh unit's `prompt_over_target` rule would refuse its whole prompt. Such a prompt passed
-        here only on the unit's average cached share (the door cannot see its own hit): its unit
+        here only on the tokens a prompt finds cached on average (the door cannot see its own hit): its unit
         refuses it, unless its cache holds most of it, and either way it puts almost no prefill
         ahead of the requests behind it. Counted whole, one at the head of a burst had the door
         refuse the short prompts behind it that the unit served (benchmarks/RESULTS.md,
@@ -343,9 +346,9 @@ class FrontAdmission:
         if cfg.mode == "protect":  # a dev server queues: only a full queue is refused, as the unit does
             return None
         # The unit's own rules' order: over capacity, a prompt past the costliest it serves now, by
-        # its tokens the unit's prefix cache will not hold (unseen here: the unit's cached share of
-        # the prompt tokens it admitted scales the estimate).
-        uncached = prompt_tokens * (1.0 - load.cached_share)
+        # its tokens the unit's prefix cache will not hold (unseen here: estimated on the line of
+        # cached tokens the unit published; so are those on the way, below).
+        uncached = load.uncached_tokens(prompt_tokens)
         if 0 < load.costly_limit_tokens < uncached:
             return self._refuse(load, "costly_prompt", load.overload_clear_s,
                                 f"the unit is over capacity and serves the requests that fit it, cheapest first: "
@@ -359,10 +362,11 @@ class FrontAdmission:
         per_token = price_per_token(load, max(0, way.requests) + 1)
         ahead_s = max(0.0, load.queue_delay_s - age_s)
         if way.requests > 0:
-            ahead_s = max(ahead_s, way.path_s - way.oldest_s) + max(0, way.tokens) * per_token
+            sent = load.uncached_tokens(way.tokens, way.requests)
+            ahead_s = max(ahead_s, way.path_s - way.oldest_s) + sent * per_token
         # Work still ahead when it arrives is what makes the unit refuse at all: with none, it
         # would start the request at once, however long its prompt.
-        ttft = waited_s + ahead_s + max(0, prompt_tokens) * per_token
+        ttft = waited_s + ahead_s + uncached * per_token
         ahead_s -= max(0.0, way.path_s)
         # The unit's own limit, its learned aim included, when the snapshot says; else the config's.
         limit = load.ttft_limit_s if load.ttft_limit_s > 0.0 else ttft_limit_s(cfg, load.regime)
@@ -371,8 +375,7 @@ class FrontAdmission:
                                 f"predicted time to first token {ttft:.2f}s exceeds the "
                                 f"{cfg.target_ttft_s:.2f}s target")
         # Nothing ahead when it arrives: in OVERLOAD a prompt too slow on its own is refused, by
-        # its tokens the unit's prefix cache will not hold (unseen here: the unit's cached share
-        # of the prompt tokens it admitted scales the estimate) and without the time it waited
+        # its tokens the unit's prefix cache will not hold (estimated, as above) and without the time it waited
         # (the unit counts it, so this errs towards letting through).
         if 0 < load.alone_limit_tokens < uncached and ahead_s <= 0.0:
             alone = cfg.target_ttft_s * uncached / load.alone_limit_tokens

@@ -17,6 +17,7 @@ from collections import Counter, deque
 
 from tidal_core.batch_queue import BatchQueue
 from tidal_core.block_hash import block_hashes, hash_seed
+from tidal_core.cached_fit import CachedFit
 from tidal_core.config import SchedulerConfig
 from tidal_core.decode_set import DecodeSet
 from tidal_core.kv_blocks import BlockManager
@@ -27,7 +28,7 @@ from tidal_core.request import FinishReason, Request, RequestStatus
 
 class UnitQueues:
     __slots__ = ("_hash_seed", "_stop_counts", "announced", "batch", "batch_prefill_remaining", "blocks", "cache",
-                 "decodes", "num_batch_running", "pending_finished", "prefill_remaining",
+                 "cached_fit", "decodes", "num_batch_running", "pending_finished", "prefill_remaining",
                  "prefilling", "requests", "stop_set", "waiting", "waiting_tokens")
 
     def __init__(self, config: SchedulerConfig) -> None:
@@ -40,6 +41,7 @@ class UnitQueues:
         else:
             self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.kv_watermark)
         self._hash_seed = hash_seed(config.prefix_cache_namespace)
+        self.cached_fit = CachedFit()  # what arriving prompts find cached, for the front ends (cached_fit.py)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.prefilling: dict[str, Request] = {}
@@ -92,6 +94,14 @@ class UnitQueues:
             return 0
         req.expected_cached_tokens = len(cache.match(hashes, req.num_tokens)) * cache.block_size
         return req.expected_cached_tokens
+
+    def arriving_uncached(self, req: Request) -> int:
+        """An arriving interactive prompt's tokens the cache does not hold now (`expect_cached`),
+        its lookup taught to the fit a front end estimates cached tokens by (`cached_fit`)."""
+        cached = self.expect_cached(req)
+        if self.cache is not None:
+            self.cached_fit.observe(req.num_prompt_tokens, cached)
+        return req.num_prompt_tokens - cached
 
     def enqueue(self, req: Request) -> None:
         self.requests[req.request_id] = req

@@ -134,7 +134,7 @@ class Scheduler:
                 return self.lane.add(req, now, self.load, self.admission, self.stats)
             req.service_class, req.is_batch = ServiceClass.INTERACTIVE, False  # no batch class: served as one
         # With prefix caching the predictions see the uncached tokens only (peeked, nothing taken).
-        own = req.num_prompt_tokens - self.q.expect_cached(req)
+        own = self.q.arriving_uncached(req)
         self.load.on_arrival(now, own, req.sampling.max_tokens)
         raw = self.view.predicted_queue_delay_s(now, own, corrected=False)
         state = self.view.unit_state(now, req, raw * self.load.ttft_correction.factor(now))

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tidal_core.cached_fit import uncached_tokens
 from tidal_core.regime import REGIME_LEVEL, Regime
 
 _REGIME_BY_LEVEL = {level: regime for regime, level in REGIME_LEVEL.items()}
@@ -39,9 +40,10 @@ class UnitLoad:
     published), so a front end can price the requests it let through that have not arrived yet.
     `alone_limit_tokens` is the longest prompt, in tokens not found in its prefix cache, that the
     unit would start now with nothing ahead (0: no such limit: it is not in OVERLOAD, or its
-    `prompt_over_target` rule is off); `cached_share` the share of the prompt tokens it admitted
-    that its prefix cache held (0: none, or no cache), so a front end that cannot see the cache
-    can scale a prompt's tokens to the part the limit counts (core/admission.py).
+    `prompt_over_target` rule is off); min(P, `cached_fixed_tokens`) + `cached_share` x the rest
+    is about how many tokens of an arriving prompt of P tokens its prefix cache holds (both 0:
+    none, or no cache; core/cached_fit.py), so a front end that cannot see the cache can estimate the part of
+    a prompt the unit's rules count (`uncached_tokens`; core/admission.py).
     `costly_limit_tokens` is the longest uncached prompt the unit serves while over its capacity
     (0: no such limit; core/costly_prompts.py) and `overload_clear_s` when its load estimate would
     fall to 1 if nothing else arrived (a `costly_prompt` refusal's retry-after).
@@ -76,9 +78,15 @@ class UnitLoad:
     ttft_limit_s: float = 0.0  # predicted TTFT past which the unit refuses a request with work ahead (0: never)
     burst_s_per_token: float = 0.0  # `prefill_s_per_token` for prompts arriving together (0: not published)
     alone_limit_tokens: int = 0  # longest uncached prompt started now with nothing ahead (0: no limit)
-    cached_share: float = 0.0  # share of admitted prompt tokens the prefix cache held
+    cached_share: float = 0.0  # share cached of an arriving prompt's tokens past `cached_fixed_tokens`
     costly_limit_tokens: int = 0  # longest uncached prompt served now, over capacity (0: no limit)
     overload_clear_s: float = 0.0  # seconds until the load would decay to 1 with no arrival (0: at or below)
+    cached_fixed_tokens: float = 0.0  # cached tokens per arriving prompt whatever its length (core/cached_fit.py)
+
+    def uncached_tokens(self, prompt_tokens: int, num_prompts: int = 1) -> int:
+        """The tokens of `num_prompts` prompts of `prompt_tokens` in all that this unit's prefix
+        cache would not hold, on the line it published (the front end cannot look them up)."""
+        return uncached_tokens(prompt_tokens, self.cached_fixed_tokens, self.cached_share, num_prompts)
 
     def to_stats(self) -> dict[str, float]:
         """The wire form: floats only (Serve's stats contract); the unit id is the replica's."""
@@ -106,6 +114,7 @@ class UnitLoad:
             "cached_share": self.cached_share,
             "costly_limit_tokens": float(self.costly_limit_tokens),
             "overload_clear_s": self.overload_clear_s,
+            "cached_fixed_tokens": self.cached_fixed_tokens,
         }
 
     @classmethod
@@ -127,7 +136,8 @@ class UnitLoad:
                    alone_limit_tokens=int(s.get("alone_limit_tokens", 0)),
                    cached_share=float(s.get("cached_share", 0.0)),
                    costly_limit_tokens=int(s.get("costly_limit_tokens", 0)),
-                   overload_clear_s=float(s.get("overload_clear_s", 0.0)))
+                   overload_clear_s=float(s.get("overload_clear_s", 0.0)),
+                   cached_fixed_tokens=float(s.get("cached_fixed_tokens", 0.0)))
 
 
 STAT_KEYS: tuple[str, ...] = tuple(UnitLoad("", 0, 0, 0.0, 0.0).to_stats())

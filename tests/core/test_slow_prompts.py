@@ -231,14 +231,14 @@ def test_a_prompt_let_through_on_the_cached_share_alone_puts_nothing_ahead_of_th
     # Mooncake's bursts in Serve: a 7,000-token prompt at a burst's head passed the door on the
     # unit's average cached share, its unit then refused it (its own hit was small), and counted
     # whole on its way it had the door refuse the short prompts behind it that the unit served.
-    load = dataclasses.replace(published_load(_overloaded(), 0.0, "u"), cached_share=0.5)
+    load = dataclasses.replace(published_load(_overloaded(), 0.0, "u"), cached_share=0.25)
     front, limit = FrontAdmission(_unit().config.admission), load.alone_limit_tokens
-    seen, head, short = [Sighting(load, 0.0)], int(1.5 * limit), limit // 4
+    seen, head, short = [Sighting(load, 0.0)], int(1.25 * limit), limit // 4
     assert front.check(seen, 0.0, head) is None  # let through on the average share
     assert front.on_the_way_tokens(seen, 0.0, head) == 0
     assert front.on_the_way_tokens(seen, 0.0, short) == short  # one it would start: counted whole
     whole = front.check(seen, 0.0, short, on_the_way=OnTheWay(head, 1))
-    assert whole is not None and whole.reason == "prefill_backlog"  # as it was
+    assert whole is not None and whole.reason == "prefill_backlog"  # as it was (its uncached estimate ahead)
     assert front.check(seen, 0.0, short, on_the_way=OnTheWay(front.on_the_way_tokens(seen, 0.0, head), 1)) is None
     # A unit that would start the whole prompt (not over capacity: no limit), or a stale snapshot
     # (not believed), leaves it counted whole.
