@@ -9,11 +9,12 @@ tokenizes, so before it can look a prompt up (core/front_admission.py).
 Why a line and not a share: what a cache holds depends on how prompts share. A system prompt
 shared by every request puts about the same tokens in every prompt's cache whatever its length
 (the Mooncake conversation trace: 512 tokens for 9 in 10 requests); a chat's history puts a share
-of a long prompt there. A share fitted to the first kind puts 22% of a 1,000-token prompt in the
-cache where 51% was, and 22% of a 7,000-token one where 7% was: on 1 simulated A100 unit in Serve,
-the door priced short prompts behind long ones up to 1.5x the unit's own prediction and refused
-requests the unit would have served within the target (benchmarks/RESULTS.md, "The door's
-estimate of a prompt's cached tokens"). The line fits both kinds, and a mix.
+of a long prompt there. A share fitted to the first kind puts 14-22% of a 1,000-token prompt in
+the cache where 51% was, and of a 7,000-token one where 7% was: a short prompt's uncached tokens
+came out at about 1.8x their number (`benchmarks/cached_estimate.py`), and in Serve the door
+refused short prompts behind others that the unit would have served within the target
+(benchmarks/RESULTS.md, "What the door assumes cached, and when the work on the way starts"). The
+line fits both kinds.
 
 The line is fitted to the last `window` arrivals (256) so that one prompt cannot swing it:
 `fixed_tokens` is either 0 or a low quantile (`quantile`, the 10th percentile) of their cached
@@ -57,10 +58,11 @@ class CachedFit:
 
     def line(self) -> tuple[float, float]:
         """(fixed_tokens, share): the cached tokens of a prompt of P tokens are about
-        min(P, fixed_tokens) + share x (P - fixed_tokens), fitted again after every
-        `REFIT_EVERY` arrivals (and at the first)."""
-        n = self.num_observed
-        if n > self._fitted_at and (self._fitted_at == 0 or n - self._fitted_at >= REFIT_EVERY):
+        min(P, fixed_tokens) + share x (P - fixed_tokens), fitted again as the arrivals double
+        (after the 1st, 2nd, 4th, ...) and then after every `REFIT_EVERY`: a unit's first
+        arrivals meet a cold cache, and a line fitted to them alone would say nothing is cached."""
+        n, at = self.num_observed, self._fitted_at
+        if n > at and n - at >= min(at, REFIT_EVERY):
             self._line, self._fitted_at = self._fit(), n
         return self._line
 

@@ -85,6 +85,18 @@ def test_the_fit_follows_a_change_in_the_traffic() -> None:
     assert fit.line()[1] > 0.05
 
 
+def test_a_units_first_arrival_meets_a_cold_cache_and_the_line_does_not_stay_there() -> None:
+    # Fitted at the first arrival only (nothing cached yet) and then every 32, a unit of a fleet
+    # behind the door published "nothing cached" for its first 32 arrivals (minutes, in overload).
+    fit, rng = CachedFit(), random.Random(5)
+    fit.observe(3000, 0)
+    assert fit.line() == (0.0, 0.0)
+    for _ in range(15):
+        fit.observe(rng.randint(600, 7000), 512)
+        fit.line()
+    assert fit.line()[0] == 512.0
+
+
 def test_uncached_tokens_of_several_prompts_count_the_fixed_part_once_each() -> None:
     assert uncached_tokens(3000, 512, 0.0, num_prompts=3) == 3000 - 3 * 512
     assert uncached_tokens(3000, 500, 0.5, num_prompts=2) == 1000
