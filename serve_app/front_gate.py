@@ -303,7 +303,8 @@ class FrontGate:
             sent = [(t.tokens, t.sent_s) for t in self._pending]
         n = len(sent)
         oldest = min((at for _, at in sent), default=now)
-        return OnTheWay(sum(tokens for tokens, _ in sent), n, now - oldest, self.path.path_s(n + 1))
+        path = self.path
+        return OnTheWay(sum(tokens for tokens, _ in sent), n, now - oldest, path.path_s(n + 1), path.path_s(1))
 
     def retry_after_s(self, base_s: float | None) -> float:
         """The spread retry-after of a 429 whose own estimate is `base_s` (the gate's or a unit's)."""

@@ -20,7 +20,8 @@ final authority for every request let through:
   admission aim: core/admission.py `TtftAim`). The work ahead is the snapshot's predicted
   queueing delay less the time since the snapshot (the unit drains while the snapshot ages),
   then the prompts the front end let through since (in a burst, hundreds arrive before any
-  verdict comes back), which cannot start before the oldest of them arrives. Those prompts and
+  verdict comes back), which start when the oldest of them arrives (and this one not before it
+  arrives itself: `OnTheWay.path_s` behind them, `head_path_s` for the oldest). Those prompts and
   this one are priced per estimated token as the unit prices a burst of prompts arriving
   together (`price_per_token`: from the published `prefill_s_per_token` for one prompt to
   `burst_s_per_token` for `BURST_REQUESTS`), since each prompt admitted becomes a decode in the
@@ -175,13 +176,15 @@ class Sighting:
 class OnTheWay:
     """What a front end let through that no snapshot holds yet, and how long its way to the units
     is: `requests` requests of about `tokens` prompt tokens, the oldest let through `oldest_s`
-    ago, and `path_s`, how long a request let through now will take to reach its unit
-    (`PathModel`)."""
+    ago, `path_s`, how long a request let through now will take to reach its unit, behind them
+    (`PathModel`), and `head_path_s`, how long the oldest takes from when it left (the head of
+    the way: one request's path)."""
 
     tokens: int = 0
     requests: int = 0
     oldest_s: float = 0.0
     path_s: float = 0.0
+    head_path_s: float = 0.0
 
     def share(self, num_units: int) -> OnTheWay:
         """One unit's share when `num_units` units take them (the request router spreads them)."""
@@ -361,12 +364,12 @@ class FrontAdmission:
         way = on_the_way
         per_token = price_per_token(load, max(0, way.requests) + 1)
         ahead_s = max(0.0, load.queue_delay_s - age_s)
-        if way.requests > 0:
+        if way.requests > 0:  # the unit starts on them as the first arrives, not when this one does
             sent = load.uncached_tokens(way.tokens, way.requests)
-            ahead_s = max(ahead_s, way.path_s - way.oldest_s) + sent * per_token
+            ahead_s = max(ahead_s, way.head_path_s - way.oldest_s) + sent * per_token
         # Work still ahead when it arrives is what makes the unit refuse at all: with none, it
         # would start the request at once, however long its prompt.
-        ttft = waited_s + ahead_s + uncached * per_token
+        ttft = waited_s + max(ahead_s, way.path_s) + uncached * per_token
         ahead_s -= max(0.0, way.path_s)
         # The unit's own limit, its learned aim included, when the snapshot says; else the config's.
         limit = load.ttft_limit_s if load.ttft_limit_s > 0.0 else ttft_limit_s(cfg, load.regime)

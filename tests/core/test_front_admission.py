@@ -292,7 +292,8 @@ def test_work_let_through_starts_when_it_arrives_and_a_unit_idle_at_arrival_deci
     idle = UnitLoad("u", 0, 0, 0.0, 0.0, regime=Regime.OVERLOAD, prefill_s_per_token=1e-3, ttft_limit_s=1.0)
     sent = OnTheWay(tokens=800, requests=10, oldest_s=0.05)
     assert front.check([Sighting(idle, 0.0)], 0.0, 100, on_the_way=sent) is None
-    refusal = front.check([Sighting(idle, 0.0)], 0.0, 100, on_the_way=dataclasses.replace(sent, path_s=0.25))
+    refusal = front.check([Sighting(idle, 0.0)], 0.0, 100,
+                          on_the_way=dataclasses.replace(sent, path_s=0.25, head_path_s=0.25))
     assert refusal is not None and "1.10s" in refusal.message
     # A path longer than the work ahead: the unit will have nothing ahead when it arrives.
     far = OnTheWay(tokens=100, requests=1, oldest_s=0.45, path_s=0.5)  # arrives in 50 ms, done in 150
@@ -301,6 +302,16 @@ def test_work_let_through_starts_when_it_arrives_and_a_unit_idle_at_arrival_deci
     busy = dataclasses.replace(idle, queue_delay_s=0.5, num_waiting=3)
     assert front.check([Sighting(busy, 0.0)], 0.0, 100, on_the_way=OnTheWay(300, 3, 0.0, 0.3)) is None  # 0.9 s
     assert front.check([Sighting(busy, 0.0)], 0.0, 100, on_the_way=OnTheWay(500, 5, 0.0, 0.3)) is not None  # 1.1 s
+    # The work on the way starts as its oldest arrives, not when the request behind it does: five
+    # requests ahead on a way of 40 ms a request, 0.45 s of their prefill, 0.49 s of its own. The
+    # unit starts the first at 40 ms, so this one's first token comes at 0.98 s, not at 0.24 s
+    # (when it arrives, sixth) + 0.45 + 0.49 = 1.18 s.
+    serial = OnTheWay(tokens=450, requests=5, oldest_s=0.0, path_s=0.24, head_path_s=0.04)
+    assert front.check([Sighting(idle, 0.0)], 0.0, 490, on_the_way=serial) is None
+    late = front.check([Sighting(idle, 0.0)], 0.0, 490, on_the_way=dataclasses.replace(serial, head_path_s=0.24))
+    assert late is not None and "1.18s" in late.message
+    # Nor does it start before it arrives itself: a way longer than the work ahead leaves none.
+    assert front.check([Sighting(idle, 0.0)], 0.0, 5000, on_the_way=dataclasses.replace(serial, path_s=0.6)) is None
     # Several units share what is on the way.
     assert OnTheWay(800, 3, 0.1, 0.2).share(2) == OnTheWay(400, 2, 0.1, 0.2)
 
