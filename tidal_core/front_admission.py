@@ -16,8 +16,8 @@ final authority for every request let through:
 - `queue_full`: the unit's queue held `max_queue_len` requests;
 - `prefill_backlog`: work will still be ahead when the request arrives, and the time it already
   waited plus the work ahead plus its own prefill (uncached estimates, as below) exceeds the
-  unit's published limit (`target_ttft_s` in OVERLOAD, `burst_factor` x it otherwise, times the unit's learned
-  admission aim: core/admission.py `TtftAim`). The work ahead is the snapshot's predicted
+  unit's published limit (`target_ttft_s` in OVERLOAD, `burst_factor` x it otherwise, times the
+  unit's learned admission aim: core/admission.py `TtftAim`). The work ahead is the snapshot's predicted
   queueing delay less the time since the snapshot (the unit drains while the snapshot ages),
   then the prompts the front end let through since (in a burst, hundreds arrive before any
   verdict comes back), which start when the oldest of them arrives (and this one not before it
@@ -323,11 +323,11 @@ class FrontAdmission:
         """What a request this front end lets through counts for while it is on its way (the
         prefill the requests behind it are priced to wait for): its prompt, or nothing when every
         fresh unit's `prompt_over_target` rule would refuse its whole prompt. Such a prompt passed
-        here only on the tokens a prompt finds cached on average (the door cannot see its own hit): its unit
-        refuses it, unless its cache holds most of it, and either way it puts almost no prefill
-        ahead of the requests behind it. Counted whole, one at the head of a burst had the door
-        refuse the short prompts behind it that the unit served (benchmarks/RESULTS.md,
-        "Cache-aware routing in Serve")."""
+        here only on the tokens a prompt finds cached on average (the door cannot see its own
+        hit): its unit refuses it, unless its cache holds most of it, and either way it puts
+        almost no prefill ahead of the requests behind it. Counted whole, one at the head of a
+        burst had the door refuse the short prompts behind it that the unit served
+        (benchmarks/RESULTS.md, "Cache-aware routing in Serve")."""
         units = [s.load for s in sightings if 0.0 <= now - s.seen_s <= self.max_age_s]
         if self.config.enabled and self.config.mode != "protect" and units and all(
                 0 < u.alone_limit_tokens < prompt_tokens for u in units):
@@ -378,8 +378,8 @@ class FrontAdmission:
                                 f"predicted time to first token {ttft:.2f}s exceeds the "
                                 f"{cfg.target_ttft_s:.2f}s target")
         # Nothing ahead when it arrives: in OVERLOAD a prompt too slow on its own is refused, by
-        # its tokens the unit's prefix cache will not hold (estimated, as above) and without the time it waited
-        # (the unit counts it, so this errs towards letting through).
+        # its tokens the unit's prefix cache will not hold (estimated, as above) and without the
+        # time it waited (the unit counts it, so this errs towards letting through).
         if 0 < load.alone_limit_tokens < uncached and ahead_s <= 0.0:
             alone = cfg.target_ttft_s * uncached / load.alone_limit_tokens
             return self._refuse(load, "prompt_over_target", alone,
