@@ -9,7 +9,9 @@ arrival, against three estimates made before the prompt arrived:
 
 Reported per estimate: the mean absolute error in tokens, the bias of the total (estimated over
 true uncached tokens, less 1), and the median and 10th / 90th percentile relative errors for short
-prompts (under 2,000 tokens) and long ones (5,000 and over). The simulator's fleet runs the trace
+prompts (under 2,000 tokens) and long ones (5,000 and over). Also what one fit of the line costs
+over a full window of these arrivals (`fit_us`: the median of 50, microseconds of this CPU), the
+reason it is refitted every `REFIT_EVERY` arrivals and not at each verdict. The simulator's fleet runs the trace
 (configs/sim.yaml's unit, adaptive, prefix caching on, least-loaded routing) the way
 `benchmarks/prefix_serve.py` runs it beside Serve, so the default window is that benchmark's.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +33,7 @@ import numpy as np
 
 from benchmarks.prefix_serve import mooncake, simulate
 from loadgen.report import Slo
-from tidal_core.cached_fit import CachedFit
+from tidal_core.cached_fit import DEFAULT_WINDOW, CachedFit
 from tidal_core.queues import UnitQueues
 
 
@@ -70,6 +73,19 @@ def estimates(arrivals: list[tuple[int, int, int]]) -> dict[str, np.ndarray]:
     return {k: np.asarray(v, dtype=float) for k, v in out.items()}
 
 
+def fit_cost_us(arrivals: list[tuple[int, int, int]], repeats: int = 50) -> float:
+    """Median microseconds of one fit over the last full window of `arrivals`."""
+    fit = CachedFit()
+    for _, p, c in arrivals[-DEFAULT_WINDOW:]:
+        fit.observe(p, c)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fit._fit()
+        times.append(time.perf_counter() - t0)
+    return round(float(np.median(times)) * 1e6, 1)
+
+
 def errors(est: dict[str, np.ndarray], name: str) -> dict[str, Any]:
     true, prompt, e = est["true"], est["prompt"], est[name]
     rel = (e - true) / np.maximum(true, 1.0)
@@ -95,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"arrivals": len(arrivals), "units": args.units, "hours": args.hours, "rate": args.rate,
               "offset_min": args.offset_min,
               "true_cached_share": round(1.0 - float(est["true"].sum() / est["prompt"].sum()), 4),
-              **{name: errors(est, name) for name in ("whole", "share", "line")}}
+              **{name: errors(est, name) for name in ("whole", "share", "line")},
+              "fit_us": fit_cost_us(arrivals)}
     print(json.dumps(report, indent=1))
     return 0
 

@@ -42,8 +42,8 @@ class UnitLoad:
     unit would start now with nothing ahead (0: no such limit: it is not in OVERLOAD, or its
     `prompt_over_target` rule is off); min(P, `cached_fixed_tokens`) + `cached_share` x the rest
     is about how many tokens of an arriving prompt of P tokens its prefix cache holds (both 0:
-    none, or no cache; core/cached_fit.py), so a front end that cannot see the cache can estimate the part of
-    a prompt the unit's rules count (`uncached_tokens`; core/admission.py).
+    none, or no cache; core/cached_fit.py), so a front end that cannot see the cache can
+    estimate the part of a prompt the unit's rules count (`uncached_tokens`; core/admission.py).
     `costly_limit_tokens` is the longest uncached prompt the unit serves while over its capacity
     (0: no such limit; core/costly_prompts.py) and `overload_clear_s` when its load estimate would
     fall to 1 if nothing else arrived (a `costly_prompt` refusal's retry-after).
