@@ -197,7 +197,10 @@ class StepSizingConfig:
     With `aim_gain` > 0 the aim is learned from finished requests' TPOT: down by `aim_gain` x
     (1 - `aim_tail`) for one that came within `aim_band` of the target, up by `aim_gain` x
     `aim_tail` for any other, within [`aim_floor`, 1] x the target (`headroom` is where it
-    starts); the TPOT p99 then sits near (1 - `aim_band`) x the target.
+    starts); the TPOT p99 then sits near (1 - `aim_band`) x the target. With `borrow_gain` > 0
+    both quantiles are scaled by a factor learned the same way from the requests that missed the
+    target itself (down by `borrow_gain` x (1 - `borrow_tail`) for each, up by `borrow_gain` x
+    `borrow_tail` for any other, within [0, 1]): about `borrow_tail` of them miss, however short.
     Off (`enabled=False`) or without a TPOT target, steps are bounded only by the token budget.
     """
 
@@ -213,6 +216,8 @@ class StepSizingConfig:
     aim_band: float = 0.02
     aim_tail: float = 0.01
     aim_floor: float = 0.8
+    borrow_gain: float = 0.05
+    borrow_tail: float = 0.005
     defer: bool = True
 
     def __post_init__(self) -> None:
@@ -232,6 +237,9 @@ class StepSizingConfig:
         _require(0.0 < self.aim_band < 0.5, f"step_sizing.aim_band={self.aim_band} must be in (0, 0.5)")
         _require(0.0 < self.aim_tail < 0.5, f"step_sizing.aim_tail={self.aim_tail} must be in (0, 0.5)")
         _require(0.1 <= self.aim_floor <= 1.0, f"step_sizing.aim_floor={self.aim_floor} must be in [0.1, 1]")
+        _require(0.0 <= self.borrow_gain <= 0.2,
+                 f"step_sizing.borrow_gain={self.borrow_gain} must be in [0, 0.2] (0: borrowing is never scaled)")
+        _require(0.0 < self.borrow_tail < 0.5, f"step_sizing.borrow_tail={self.borrow_tail} must be in (0, 0.5)")
         _require(self.aim_gain == 0.0 or self.aim_floor <= self.headroom <= 1.0,
                  f"step_sizing.headroom={self.headroom} must be in [aim_floor={self.aim_floor}, 1] when the aim is "
                  "learned (aim_gain > 0); set aim_gain=0 to aim at a fixed headroom")

@@ -50,9 +50,16 @@ request actually got (from its first token to its last, what its client measured
 that came within `aim_band` of the target lowers it by `aim_gain x (1 - aim_tail)`, any other
 raises it by `aim_gain x aim_tail`, within [`aim_floor`, 1] x the target. It settles where
 `aim_tail` of the requests come that close: the TPOT p99 sits near `(1 - aim_band) x target`
-whether the tail comes from the step model's error or from requests that ended before
-repaying a borrow (the fixed margin this replaces gave away throughput where neither happens,
-and was too little where both do). Nothing here is hardware-specific.
+where the tail comes from the step model's error (the fixed margin this replaces gave away
+throughput where there is none, and was too little where there is much).
+
+**The borrow scale** holds the other tail: requests that ended before repaying a borrow, which
+a lower aim does not spare (it shrinks what each future token repays, not which requests
+borrow). A finished request that missed the target itself lowers the scale by `borrow_gain x
+(1 - borrow_tail)`, any other raises it by `borrow_gain x borrow_tail`, within [0, 1]; both
+quantiles are multiplied by it, and a miss rebuilds the tables at once. It settles where
+`borrow_tail` of the requests miss the target, and stays at 1 where fewer do. Nothing here is
+hardware-specific.
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """
@@ -94,13 +101,16 @@ def _past_this_step(lengths: list[int], quantile: float) -> tuple[int, ...]:
 
 
 class StepSizer:
-    __slots__ = ("_defer_expect", "_last_done_s", "_lengths", "_num_finished", "_since", "_start", "account_s",
-                 "aim_s", "borrow", "config", "decode_steps", "pressure", "repay_s", "target_tpot_s")
+    __slots__ = ("_defer_expect", "_last_done_s", "_lengths", "_num_finished", "_refresh_now", "_since", "_start",
+                 "account_s", "aim_s", "borrow", "borrow_scale", "config", "decode_steps", "pressure", "repay_s",
+                 "target_tpot_s")
 
     def __init__(self, config: StepSizingConfig, target_tpot_s: float, now: float = 0.0) -> None:
         self.config = config
         self.target_tpot_s = target_tpot_s
         self.aim_s = target_tpot_s * config.headroom
+        self._refresh_now = False
+        self.borrow_scale = 1.0  # learned: what share of the expected future tokens' credit is lent
         self.account_s = 0.0
         self.decode_steps = 0
         self.borrow = _NO_BORROW  # m(k) - 1 (tokens past this step), normally and under TTFT pressure
@@ -208,13 +218,21 @@ class StepSizer:
 
     def learn_aim(self, started_step: int, started_s: float) -> None:
         """A request that decoded from step `started_step` (time `started_s`) to the last step
-        finished: its TPOT moves the aim (see the module doc)."""
+        finished: its TPOT moves the aim and the borrow scale (see the module doc)."""
         cfg = self.config
         steps = self.decode_steps - started_step
-        if cfg.aim_gain <= 0.0 or steps < 1:
+        if steps < 1:
             return
         target = self.target_tpot_s
-        close = (self._last_done_s - started_s) / steps > (1.0 - cfg.aim_band) * target
+        tpot = (self._last_done_s - started_s) / steps
+        if cfg.borrow_gain > 0.0:
+            missed = 1.0 if tpot > target else 0.0
+            self.borrow_scale = min(1.0, max(0.0, self.borrow_scale - cfg.borrow_gain * (missed - cfg.borrow_tail)))
+            if missed:
+                self._refresh_now = True
+        if cfg.aim_gain <= 0.0:
+            return
+        close = tpot > (1.0 - cfg.aim_band) * target
         fraction = self.aim_s / target - cfg.aim_gain * ((1.0 if close else 0.0) - cfg.aim_tail)
         self.aim_s = target * min(1.0, max(cfg.aim_floor, fraction))
 
@@ -226,10 +244,12 @@ class StepSizer:
         else:
             lengths[self._num_finished % _LENGTHS_KEPT] = num_output_tokens
         self._num_finished += 1
-        if self._num_finished % _REFRESH_EVERY == 0 or self._num_finished == _MIN_FINISHED:
-            cfg = self.config
-            self.borrow = _past_this_step(lengths, cfg.borrow_quantile)
-            self.pressure = _past_this_step(lengths, cfg.pressure_quantile)
+        if (self._num_finished % _REFRESH_EVERY == 0 or self._num_finished == _MIN_FINISHED
+                or (self._refresh_now and self._num_finished > _MIN_FINISHED)):
+            self._refresh_now = False
+            cfg, scale = self.config, self.borrow_scale
+            self.borrow = _past_this_step(lengths, cfg.borrow_quantile * scale)
+            self.pressure = _past_this_step(lengths, cfg.pressure_quantile * scale)
 
     def bank_s(self, rid: str) -> float | None:
         """`rid`'s bank: seconds its tokens came in under the aim so far (None if not decoding)."""

@@ -249,3 +249,51 @@ def test_a_learned_aim_needs_a_headroom_inside_its_bounds() -> None:
     assert StepSizingConfig(headroom=1.2, aim_gain=0.0).headroom == 1.2
     with pytest.raises(ValueError, match=r"repay_steps=0\.5"):
         StepSizingConfig(repay_steps=0.5)
+
+
+def _feed(sizer: StepSizer, lengths: list[int], interval_s: float, now: float = 0.0) -> float:
+    """Requests of `lengths` tokens finish one after another at `interval_s` a token."""
+    for i, n in enumerate(lengths):
+        now = _finish(sizer, f"r{now}-{i}", now, interval_s, n - 1)
+    return now
+
+
+def test_requests_that_miss_the_target_make_the_unit_lend_less_until_it_holds_again() -> None:
+    # Half the answers are 2 tokens, half 21: under TTFT pressure the 90% quantile lends a young
+    # decode 19 tokens of credit. Three 2-token answers then miss the target (150 ms between tokens). A sizer
+    # that learns its borrowing lends nothing to a young decode after them; one that does not
+    # (borrow_gain 0) lends as before.
+    def sizer(gain: float) -> StepSizer:
+        return StepSizer(StepSizingConfig(headroom=1.0, aim_gain=0.0, borrow_quantile=0.01, pressure_quantile=0.9,
+                                          borrow_gain=gain, borrow_tail=0.01), 0.1)
+
+    learning, fixed = sizer(0.2), sizer(0.0)
+    for s in (learning, fixed):
+        now = _feed(s, [2] * 8 + [21] * 8, 0.05)  # every one on target: nothing to learn
+        assert s.borrow_scale == 1.0
+        s.on_decode_start("a")
+        assert s.prefill_allowance(SVC, 1, pressure=True) == pytest.approx(20 * 790, abs=2)
+        s.on_decode_end("a")
+        now = _feed(s, [2] * 3, 0.15, now)
+    assert fixed.borrow_scale == 1.0
+    assert learning.borrow_scale == pytest.approx(1.0 - 3 * 0.2 * 0.99)
+    for s in (learning, fixed):
+        s.on_decode_start("a")
+    assert fixed.prefill_allowance(SVC, 1, pressure=True) == pytest.approx(20 * 790, abs=2)
+    assert learning.prefill_allowance(SVC, 1, pressure=True) == 790  # one aim: nothing borrowed
+    # On target again, it lends again: up by gain x tail for each request that kept the target.
+    learning.on_decode_end("a")
+    _feed(learning, [2, 21] * 160, 0.05, now)
+    assert learning.borrow_scale == 1.0
+    learning.on_decode_start("a")
+    assert learning.prefill_allowance(SVC, 1, pressure=True) == pytest.approx(20 * 790, abs=2)
+
+
+def test_the_borrow_scale_stays_within_zero_and_one_and_its_settings_are_checked() -> None:
+    sizer = StepSizer(StepSizingConfig(borrow_gain=0.2, borrow_tail=0.01), 0.1)
+    _feed(sizer, [5] * 10, 0.3)
+    assert sizer.borrow_scale == 0.0
+    with pytest.raises(ValueError, match=r"borrow_gain=0\.3 must be in"):
+        StepSizingConfig(borrow_gain=0.3)
+    with pytest.raises(ValueError, match=r"borrow_tail=0\.0 must be in"):
+        StepSizingConfig(borrow_tail=0.0)
