@@ -98,6 +98,13 @@ def _batching(t: Targets) -> list[Panel]:
         ts("TTFT prediction error", "p50/p99 of predicted over measured time to first token of admitted "
            "requests (what admission control acted on). Dashed: 1, an exact prediction.",
            _quantiles(M.TTFT_PREDICTION, "predicted/measured"), "short", lines=(1.0,)),
+        ts("Step sizer: TPOT aim by unit", "The mean time between tokens each step is sized for, learned from "
+           "finished requests' TPOT (about 1% come within 2% of the target). Dashed: the TPOT target.",
+           [Target(Q.gauge(M.TPOT_AIM), UNIT_LEGEND)], "s", lines=(t.tpot_s,) if t.tpot_s else ()),
+        ts("Step sizer: borrow scale by unit", "The share of its borrow quantiles the step sizer lends against "
+           "(1: as configured). Each request that missed the TPOT target lowers it, each other raises it a "
+           "little: low when short answers borrowed and ended before repaying.",
+           [Target(Q.gauge(M.BORROW_SCALE), UNIT_LEGEND)], "short"),
     ]
 
 

@@ -90,6 +90,12 @@ COSTLY_LIMIT = MetricDef("tidal_admission_costly_limit_tokens", "gauge",
 MEASURED_TPOT = MetricDef("tidal_measured_tpot_seconds", "gauge",
                           "Recent mean time per output token the unit measured (0: no decodes lately); the "
                           "autoscaler's hot-unit signal")
+TPOT_AIM = MetricDef("tidal_step_sizer_tpot_aim_seconds", "gauge",
+                     "Mean time between tokens the step sizer aims each step at, learned from finished requests' "
+                     "TPOT so that about 1% come within 2% of the target (0: no TPOT target)")
+BORROW_SCALE = MetricDef("tidal_step_sizer_borrow_scale", "gauge",
+                         "Share of its configured borrow quantiles the step sizer lends against (1: as configured; "
+                         "lowered by each request that missed the TPOT target, so about 0.5% miss)")
 PADDING_WASTE = MetricDef("tidal_cuda_graph_padding_waste", "gauge",
                           "Fraction of CUDA-graph batch slots that were padding, since start")
 BATCH_WAITING = MetricDef("tidal_batch_backlog_requests", "gauge",
@@ -150,7 +156,7 @@ AUTH_FAILURES = MetricDef("tidal_auth_failures", "counter",
 ALL_METRICS: tuple[MetricDef, ...] = (
     TTFT, ITL, E2E, QUEUE_TIME, FRONT_DELAY, MICROWAIT, BATCH_SIZE, STEP_TIME, TTFT_PREDICTION,
     RUNNING, WAITING, KV_USAGE, REGIME, LOAD, CAPACITY, QUEUE_DELAY, ADMISSION_LIMIT, SLOW_PROMPT_RATIO, COSTLY_LIMIT,
-    MEASURED_TPOT,
+    MEASURED_TPOT, TPOT_AIM, BORROW_SCALE,
     PADDING_WASTE,
     UNITS_DESIRED, UNITS_DEMAND, BATCH_WAITING, BATCH_BACKLOG_TOKENS, BATCH_RUNNING,
     DISPATCHES, REJECTIONS, FRONT_REFUSALS, PREEMPTIONS, FINISHED, PROMPT_TOKENS, GENERATION_TOKENS, ARRIVALS,

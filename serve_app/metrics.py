@@ -155,6 +155,9 @@ class UnitMetrics:
         costly = sched.admission.costly_limit_tokens(snap.regime, sched.load, sched.load.overload(now)[0])
         m[M.COSTLY_LIMIT.name].set(costly if costly < UNLIMITED else 0)
         m[M.MEASURED_TPOT.name].set(snap.tpot_s)
+        sizer = sched.sizer
+        m[M.TPOT_AIM.name].set(sizer.aim_s if sizer is not None else 0.0)
+        m[M.BORROW_SCALE.name].set(sizer.borrow_scale if sizer is not None else 1.0)
         m[M.PADDING_WASTE.name].set(sched.buckets.padding_waste())
         m[M.BATCH_WAITING.name].set(snap.batch_waiting)
         m[M.BATCH_BACKLOG_TOKENS.name].set(snap.batch_backlog_tokens)

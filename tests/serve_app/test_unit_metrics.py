@@ -127,6 +127,20 @@ def test_interactive_kv_preemptions_keep_their_class(metrics: unit_metrics.UnitM
     assert not m._m[M.BATCH_TOKENS.name].incs
 
 
+def test_the_step_sizer_gauges_show_its_aim_and_borrow_scale(metrics: unit_metrics.UnitMetrics) -> None:
+    s, m = _scheduler(), metrics
+    m.refresh_gauges(s, 0.0)
+    assert m._m[M.TPOT_AIM.name].value == pytest.approx(0.02 * 0.95)  # the TPOT target x the starting headroom
+    assert m._m[M.BORROW_SCALE.name].value == 1.0
+    assert s.sizer is not None
+    s.sizer.on_step_done(0.0, 0)
+    s.sizer.on_decode_start("late")
+    s.sizer.on_step_done(0.1, 1)  # one token 100 ms after the first: 5x the 20 ms target
+    s.sizer.on_request_end("late", 2)
+    m.refresh_gauges(s, 0.2)
+    assert m._m[M.BORROW_SCALE.name].value < 1.0 and m._m[M.TPOT_AIM.name].value < 0.02 * 0.95
+
+
 def test_the_slow_prompt_ratio_gauge_follows_what_admission_learned(metrics: unit_metrics.UnitMetrics) -> None:
     s, ex, now, m = _scheduler(), FakeExecutor(), 0.0, metrics
     s.add_request(_req("a", 40, 4, now), now)
