@@ -110,7 +110,7 @@ class StepSizer:
         self.target_tpot_s = target_tpot_s
         self.aim_s = target_tpot_s * config.headroom
         self._refresh_now = False
-        self.borrow_scale = 1.0  # learned: what share of the expected future tokens' credit is lent
+        self.borrow_scale = 1.0  # learned: the share of the borrow quantiles lent against
         self.account_s = 0.0
         self.decode_steps = 0
         self.borrow = _NO_BORROW  # m(k) - 1 (tokens past this step), normally and under TTFT pressure
