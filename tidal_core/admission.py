@@ -69,6 +69,7 @@ from tidal_core.load import LoadEstimator
 from tidal_core.plan import Rejection
 from tidal_core.regime import Regime
 from tidal_core.request import Request
+from tidal_core.tail_track import track_tail
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,13 +110,12 @@ class TtftAim:
     """The fraction of the TTFT limit admission acts on, learned from the requests it judged
     (see the module doc). `value` is in [`aim_floor`, 1]."""
 
-    __slots__ = ("_down", "_floor", "_up", "num_missed", "num_observed", "target_s", "value")
+    __slots__ = ("_floor", "_gain", "_tail", "num_missed", "num_observed", "target_s", "value")
 
     def __init__(self, config: AdmissionConfig) -> None:
         self.value = config.aim_start
         self.target_s = config.target_ttft_s
-        self._down = config.aim_gain * (1.0 - config.aim_tail)
-        self._up = config.aim_gain * config.aim_tail
+        self._gain, self._tail = config.aim_gain, config.aim_tail
         self._floor = config.aim_floor
         self.num_observed = 0
         self.num_missed = 0
@@ -123,13 +123,9 @@ class TtftAim:
     def observe(self, ttft_s: float) -> None:
         """A request admitted with work ahead got its first token `ttft_s` after arrival."""
         self.num_observed += 1
-        if ttft_s > self.target_s:
-            self.num_missed += 1
-            value = self.value - self._down
-            self.value = value if value > self._floor else self._floor
-        else:
-            value = self.value + self._up
-            self.value = value if value < 1.0 else 1.0
+        missed = ttft_s > self.target_s
+        self.num_missed += missed
+        self.value = track_tail(self.value, self._gain, self._tail, missed, self._floor, 1.0)
 
 
 class AloneFit:
@@ -158,12 +154,8 @@ class AloneFit:
         if bound_s < self.FROM * self.target_s:
             return
         self.num_observed += 1
-        if measured_s < self.value * bound_s:
-            value = self.value - self.GAIN * (1.0 - self.QUANTILE)
-            self.value = value if value > self.FLOOR else self.FLOOR
-        else:
-            value = self.value + self.GAIN * self.QUANTILE
-            self.value = value if value < self.CEILING else self.CEILING
+        self.value = track_tail(self.value, self.GAIN, self.QUANTILE, measured_s < self.value * bound_s, self.FLOOR,
+                                self.CEILING)
 
 
 class AdmissionController:

@@ -71,6 +71,7 @@ import math
 
 from tidal_core.config import StepSizingConfig
 from tidal_core.load import ServiceModel
+from tidal_core.tail_track import track_tail
 
 UNLIMITED = 1 << 30
 """Prefill allowance meaning no limit beyond the token budget."""
@@ -226,15 +227,14 @@ class StepSizer:
         target = self.target_tpot_s
         tpot = (self._last_done_s - started_s) / steps
         if cfg.borrow_gain > 0.0:
-            missed = 1.0 if tpot > target else 0.0
-            self.borrow_scale = min(1.0, max(0.0, self.borrow_scale - cfg.borrow_gain * (missed - cfg.borrow_tail)))
+            missed = tpot > target
+            self.borrow_scale = track_tail(self.borrow_scale, cfg.borrow_gain, cfg.borrow_tail, missed, 0.0, 1.0)
             if missed:
                 self._refresh_now = True
         if cfg.aim_gain <= 0.0:
             return
         close = tpot > (1.0 - cfg.aim_band) * target
-        fraction = self.aim_s / target - cfg.aim_gain * ((1.0 if close else 0.0) - cfg.aim_tail)
-        self.aim_s = target * min(1.0, max(cfg.aim_floor, fraction))
+        self.aim_s = target * track_tail(self.aim_s / target, cfg.aim_gain, cfg.aim_tail, close, cfg.aim_floor, 1.0)
 
     def on_finished(self, num_output_tokens: int) -> None:
         """A request ended with `num_output_tokens`: the borrow tables learn output lengths."""
