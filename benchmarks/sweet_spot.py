@@ -8,7 +8,8 @@ A second ratio is against the best budget whose TPOT p99 meets the SLO's target:
 user who tunes it for the TPOT target (as Sarathi-Serve derives it) would pick; the best budget
 overall breaks that target in many cells. Windows are the first `--hours` of each trace, or the
 `--hours` that start `--offset-min` minutes in (a check on traffic the matrix does not hold);
-`--no-eager` skips the reference run (the slowest, at 3x).
+`--no-eager` skips the reference run (the slowest, at 3x). `--trace` also takes a trace file
+(any format `tidal simulate --trace PATH` reads), `--slo-ttft` / `--slo-tpot` another SLO pair.
 
     python benchmarks/sweet_spot.py --hours 0.25 --out runs/sweet_spot.json
     python benchmarks/sweet_spot.py --hours 0.25 --offset-min 15 --no-eager
@@ -149,6 +150,13 @@ def _gpu_label(cost_name: str) -> str:
     return cost_name.split("-")[0] if cost_name in COST_MODELS else cost_name
 
 
+def _trace_arg(value: str) -> str:
+    """A trace of the matrix by name, or a trace file `load_trace` reads (checked here, not mid-run)."""
+    if value in TRACES or Path(value).is_file():
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is neither one of {', '.join(TRACES)} nor a trace file")
+
+
 def _ratio(run: dict[str, Any], best: dict[str, Any]) -> float:
     best_g = best["goodput_rps"] or 0.0
     return round((run["goodput_rps"] or 0.0) / best_g, 3) if best_g > 0 else float("inf")
@@ -157,7 +165,9 @@ def _ratio(run: dict[str, Any], best: dict[str, Any]) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hours", type=float, default=0.25)
-    ap.add_argument("--trace", action="append", choices=TRACES)
+    ap.add_argument("--trace", action="append", type=_trace_arg,
+                    help=f"repeatable: {', '.join(TRACES)} (the default: all three) or a trace file "
+                         "(e.g. Mooncake's synthetic_trace.jsonl)")
     ap.add_argument("--rate", action="append", type=float)
     ap.add_argument("--cost-model", action="append", choices=SHIPPED_COST_MODELS,
                     help=f"repeatable; default: {', '.join(COST_MODELS)}")

@@ -16,9 +16,10 @@ Owns: `AdmissionController.check`. Rules, in order, each with its metric label:
   prefill throughput — plus (b) waiting for a batch slot when the running batch is at its
   cap, at the measured completion rate;
 - `prompt_over_target` (with `refuse_slow_prompts_in_overload`, the default): in OVERLOAD, with
-  nothing ahead, the request's own TTFT would still pass `target_ttft_s`: a lower bound of it
-  (`UnitState.alone_ttft_s`: the time it already waited plus its prompt's prefill in steps of the
-  whole token budget beside the decodes running now, on the fitted step model) times the median
+  nothing ahead, the request's own TTFT would still pass `target_ttft_s`: a bound of it
+  (`UnitState.alone_ttft_s`: the time it already waited plus its prompt's prefill beside the
+  decodes running now, on the fitted step model, in whole-budget steps or, under a TPOT target, at
+  the step sizer's aim: `UnitView.alone_prefill_s`) times the median
   of what the long prompts admitted with nothing ahead took against their bound (`AloneFit`: the
   bound is linear in a prompt's tokens, a long prompt's attention is not, and the decodes beside
   it grow while it prefills): refused when it more likely misses than not. Such a prompt misses
@@ -79,7 +80,7 @@ class UnitState:
     `predicted_ttft_s` is the scheduler's prediction of the new arrival's time to first token
     (queueing plus its own prefill; one definition: `Scheduler.predicted_queue_delay_s`).
     `work_ahead` is False on a unit that would start the request at once; then `alone_ttft_s` is
-    a lower bound of its TTFT (the time it already waited plus `UnitView.alone_prefill_s`), else 0.
+    a bound of its TTFT (the time it already waited plus `UnitView.alone_prefill_s`), else 0.
     `overload_ratio` and `overload_clear_s` are `LoadEstimator.overload` (the current load, and when
     it would fall to 1) and `uncached_tokens` the request's prompt tokens its prefix cache does not
     hold: the `costly_prompt` rule's.

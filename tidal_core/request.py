@@ -177,7 +177,7 @@ class Request:
         self.raw_predicted_ttft_s: float | None = None
         self.ttft_prediction_ratio: float | None = None
         self.admitted_ahead = False  # admitted with work ahead: admission's TTFT rule judged it
-        self.alone_ttft_s = 0.0  # admitted with nothing ahead: the lower bound of its TTFT (UnitState)
+        self.alone_ttft_s = 0.0  # admitted with nothing ahead: the bound of its TTFT (UnitState)
 
     @property
     def num_tokens(self) -> int:

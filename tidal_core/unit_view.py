@@ -97,11 +97,16 @@ class UnitView:
                          len(q.requests) - len(q.batch) - q.num_batch_running, alone, ratio, clear, uncached)
 
     def alone_prefill_s(self, prompt_tokens: int) -> float:
-        """The least time `prompt_tokens` of one prompt take to prefill here if started now: in steps
-        of the whole token budget beside the interactive decodes running now, on the fitted step
-        model, without the learned correction or the step sizer's aim (both only lengthen it)."""
+        """The time `prompt_tokens` of one prompt take to prefill here if started now, beside the
+        interactive decodes running now, on the fitted step model without the learned correction:
+        in steps of the whole token budget, or at the step sizer's TPOT aim where it holds one (the
+        chunks the decodes' banks allow, deferral included: `ServiceModel.drain_time`). Beside
+        decodes held to a tight target those chunks are small, and whole-budget steps would judge a
+        prompt that takes twice as long."""
         n_dec = len(self.queues.decodes.reqs) - self.queues.num_batch_decoding()
-        return self.load.service.drain_time(prompt_tokens, n_dec, n_dec, self._max_tokens)
+        sizer = self.limits.sizer
+        return self.load.service.drain_time(prompt_tokens, n_dec, n_dec, self._max_tokens,
+                                            sizer.aim_s if sizer is not None else None)
 
     def snapshot(self, now: float, unit_id: str = "") -> UnitLoad:
         """This unit's state now. `num_waiting`, `queue_delay_s` and `kv_usage` are the

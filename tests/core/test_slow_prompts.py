@@ -14,6 +14,7 @@ from calibration.cost_model import CostModel
 from loadgen.records import Trace
 from loadgen.report import OK, Slo
 from loadgen.sim.runner import RunSpec, run_policy, unit_config
+from tests.helpers import FakeExecutor
 from tidal_core import (
     AdmissionConfig,
     Regime,
@@ -22,11 +23,14 @@ from tidal_core import (
     Scheduler,
     SchedulerConfig,
     ServicePrior,
+    StepSizingConfig,
     UnitLoad,
     preset,
 )
 from tidal_core.admission import AdmissionController, AloneFit
 from tidal_core.front_admission import FrontAdmission, OnTheWay, Sighting, published_load
+from tidal_core.load import ServiceModel
+from tidal_core.plan import Run
 
 
 def _unit(**admission: object) -> Scheduler:
@@ -245,3 +249,47 @@ def test_a_prompt_let_through_on_the_cached_share_alone_puts_nothing_ahead_of_th
     calm = dataclasses.replace(load, unit_id="v", alone_limit_tokens=0, regime=Regime.STEADY)
     assert front.on_the_way_tokens([*seen, Sighting(calm, 0.0)], 0.0, head) == head
     assert front.on_the_way_tokens(seen, 60.0, head) == head
+
+
+def test_beside_decodes_held_to_a_tpot_target_a_lone_prompt_is_judged_at_the_step_sizers_aim() -> None:
+    """Eight decodes hold a 100 ms TPOT target: a lone prompt's chunks fit what their banks allow,
+    not whole-budget steps, so its bound is the drain at the aim (`ServiceModel.drain_time` with
+    `aim_s`, which test_prefill_deferral checks against the steps the sizer takes). A prompt whose
+    whole-budget prefill fits the 1 s target but whose prefill at the aim does not is refused in
+    OVERLOAD; one that fits at the aim is admitted; the published limit is the same verdict."""
+    prior = ServicePrior(step_overhead_s=0.020, prefill_s_per_token=0.0001, decode_s_per_seq=0.001,
+                         prefill_step_s=0.020)
+    sizing = StepSizingConfig(headroom=1.0, borrow_quantile=0.0, pressure_quantile=0.0, aim_gain=0.0)
+
+    def unit() -> Scheduler:
+        cfg = preset("adaptive", SchedulerConfig(
+            max_batch_size=64, max_num_batched_tokens=2048, max_model_len=16384, block_size=16, num_kv_blocks=4096,
+            cuda_graph_buckets=(), service_prior=prior, step_sizing=sizing,
+            admission=AdmissionConfig(target_ttft_s=1.0, target_tpot_s=0.1)))
+        sched = Scheduler(cfg)
+        for i in range(8):
+            assert sched.add_request(Request(f"d{i}", 32, SamplingParams(max_tokens=300, ignore_eos=True), 0.0),
+                                     0.0) is None
+        decision = sched.schedule(0.0)  # the eight prompts in one step, then they decode
+        assert isinstance(decision, Run)
+        now = 0.03
+        sched.on_step_done(decision.plan, FakeExecutor().execute(decision.plan), now)
+        assert len(sched.view.queues.decodes.reqs) == 8 and sched.num_waiting == 0
+        sched.regime.regime = Regime.OVERLOAD
+        return sched
+
+    svc, limits = ServiceModel(prior), unit().limits
+    assert limits.sizer is not None and limits.sizer.aim_s == pytest.approx(0.1)
+    per_token_whole = svc.drain_time(10_000, 8, 8, 2048) / 10_000
+    per_token_aim = svc.drain_time(10_000, 8, 8, 2048, 0.1) / 10_000
+    assert per_token_aim > 1.2 * per_token_whole  # the aim binds: chunks beside the decodes are small
+    fits_aim, fits_whole_only = int(0.9 / per_token_aim), int(0.95 / per_token_whole)
+    assert fits_whole_only * per_token_aim > 1.05  # past the target at the aim, within it in whole steps
+    sched = unit()
+    assert sched.view.alone_prefill_s(fits_aim) == pytest.approx(fits_aim * per_token_aim, rel=0.01)  # learned a step
+    assert sched.add_request(Request("fits", fits_aim, SamplingParams(), 0.03), 0.03) is None
+    sched = unit()
+    refused = sched.add_request(Request("slow", fits_whole_only, SamplingParams(), 0.03), 0.03)
+    assert refused is not None and refused.reason == "prompt_over_target"
+    limit = published_load(unit(), 0.03).alone_limit_tokens
+    assert fits_aim <= limit < fits_whole_only
