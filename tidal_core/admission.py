@@ -132,9 +132,10 @@ class TtftAim:
 class AloneFit:
     """measured / `alone_ttft_s` of the requests admitted with nothing ahead whose bound is at
     least `FROM` x the TTFT target (the prompts the rule could judge: a short prompt's TTFT is
-    mostly the wait for the step in flight, which says nothing of a long one's): the `QUANTILE`
-    of that ratio, tracked online (up by `GAIN` x `QUANTILE` for a ratio above it, down by `GAIN`
-    x (1 - `QUANTILE`) for one below, within [`FLOOR`, `CEILING`]). The bound is the fitted step
+    mostly the wait for the step in flight, which says nothing of a long one's): the `quantile`
+    of that ratio (`admission.slow_prompt_quantile`, by default `QUANTILE`, the median), tracked
+    online (up by `GAIN` x `quantile` for a ratio above it, down by `GAIN` x (1 - `quantile`) for
+    one below, within [`FLOOR`, `CEILING`]). The bound is the fitted step
     model's, which is linear in a prompt's tokens: a long prompt's attention makes it slower than
     that, and the decodes beside it grow while it prefills. `value` starts at 1 (the bound)."""
 
@@ -142,10 +143,11 @@ class AloneFit:
     GAIN = 0.02
     FROM = 0.5
     FLOOR, CEILING = 0.5, 4.0
-    __slots__ = ("num_observed", "target_s", "value")
+    __slots__ = ("num_observed", "quantile", "target_s", "value")
 
-    def __init__(self, target_ttft_s: float) -> None:
+    def __init__(self, target_ttft_s: float, quantile: float = QUANTILE) -> None:
         self.target_s = target_ttft_s
+        self.quantile = quantile
         self.value = 1.0
         self.num_observed = 0
 
@@ -155,7 +157,7 @@ class AloneFit:
         if bound_s < self.FROM * self.target_s:
             return
         self.num_observed += 1
-        self.value = track_tail(self.value, self.GAIN, self.QUANTILE, measured_s < self.value * bound_s, self.FLOOR,
+        self.value = track_tail(self.value, self.GAIN, self.quantile, measured_s < self.value * bound_s, self.FLOOR,
                                 self.CEILING)
 
 
@@ -166,7 +168,7 @@ class AdmissionController:
         self.config = config
         self.max_model_len = max_model_len
         self.aim = TtftAim(config)
-        self.alone = AloneFit(config.target_ttft_s)
+        self.alone = AloneFit(config.target_ttft_s, config.slow_prompt_quantile)
         self.costly = CostlyPrompts()
         # The `prefill_backlog` rule applies at all (its limit is never 0): only then does a
         # request admitted with work ahead teach the aim.

@@ -125,6 +125,9 @@ class AdmissionConfig:
     With `refuse_slow_prompts_in_overload` (the default), a request whose own TTFT would pass
     `target_ttft_s` with nothing ahead of it is refused in OVERLOAD (`prompt_over_target`) and
     served otherwise; off, a request nothing is ahead of is always admitted (core/admission.py).
+    It judges by a bound times a learned ratio of measured TTFT to it, at `slow_prompt_quantile`
+    of that ratio (0.5: refused when it more likely misses than not; higher refuses prompts with
+    a smaller chance to miss).
     With `shed_costly_prompts_in_overload` (off by default), a unit over its capacity refuses the
     prompts too costly to fit beside the cheaper ones (`costly_prompt`, core/costly_prompts.py):
     in a sustained overload it serves the most requests within the SLO; off, a long prompt
@@ -151,6 +154,7 @@ class AdmissionConfig:
     aim_tail: float = 0.05
     aim_floor: float = 0.5
     refuse_slow_prompts_in_overload: bool = True
+    slow_prompt_quantile: float = 0.5
     shed_costly_prompts_in_overload: bool = False
 
     def __post_init__(self) -> None:
@@ -170,6 +174,8 @@ class AdmissionConfig:
         _require(0.1 <= self.aim_floor <= 1.0, f"admission.aim_floor={self.aim_floor} must be in [0.1, 1]")
         _require(self.aim_floor <= self.aim_start <= 1.0,
                  f"admission.aim_start={self.aim_start} must be in [aim_floor={self.aim_floor}, 1]")
+        _require(0.05 <= self.slow_prompt_quantile <= 0.95,
+                 f"admission.slow_prompt_quantile={self.slow_prompt_quantile} must be in [0.05, 0.95]")
         _require(self.target_tpot_s is None or self.target_tpot_s > 0.0,
                  f"admission.target_tpot_s={self.target_tpot_s} must be None (off) or > 0")
         _require(0.0 < self.kv_reject_usage <= 1.0,
