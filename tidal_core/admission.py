@@ -18,8 +18,9 @@ Owns: `AdmissionController.check`. Rules, in order, each with its metric label:
 - `prompt_over_target` (with `refuse_slow_prompts_in_overload`, the default): in OVERLOAD, with
   nothing ahead, the request's own TTFT would still pass `target_ttft_s`: a bound of it
   (`UnitState.alone_ttft_s`: the time it already waited plus its prompt's prefill beside the
-  decodes running now, on the fitted step model, in whole-budget steps or, under a TPOT target, at
-  the step sizer's aim: `UnitView.alone_prefill_s`) times the median
+  decodes running now, on the fitted step model, in whole-budget steps or, under a TPOT target, in
+  the chunks the step sizer would give it: `UnitView.alone_prefill_s`) times the median (by
+  default: `slow_prompt_quantile`)
   of what the long prompts admitted with nothing ahead took against their bound (`AloneFit`: the
   bound is linear in a prompt's tokens, a long prompt's attention is not, and the decodes beside
   it grow while it prefills): refused when it more likely misses than not. Such a prompt misses

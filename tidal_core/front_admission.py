@@ -34,7 +34,9 @@ final authority for every request let through:
   counts the tokens the unit's prefix cache will not hold, which the front end cannot see, so
   it counts the estimate less what the unit's published line of cached tokens says a prompt of
   its length finds cached (`UnitLoad.uncached_tokens`, core/cached_fit.py); and the time the
-  request waited, which the unit adds, is left out, so this errs towards letting through;
+  request waited, which the unit adds, is left out, so this errs towards letting through (as does
+  the bound's inversion: the unit reads it per token at 1,024 tokens, and beside decodes held to
+  a TPOT target a longer prompt costs more per token, its first chunk being the cheapest);
 - `costly_prompt` (checked right after `queue_full`, in the unit's order): the unit is over its
   capacity and the prompt (its uncached estimate, as above) is longer than the unit's published
   `costly_limit_tokens`, the longest it serves now (core/costly_prompts.py); retry after the

@@ -99,10 +99,11 @@ class UnitView:
     def alone_prefill_s(self, prompt_tokens: int) -> float:
         """The time `prompt_tokens` of one prompt take to prefill here if started now, beside the
         interactive decodes running now, on the fitted step model without the learned correction:
-        in steps of the whole token budget, or at the step sizer's TPOT aim where it holds one (the
-        chunks the decodes' banks allow, deferral included: `ServiceModel.drain_time`). Beside
-        decodes held to a tight target those chunks are small, and whole-budget steps would judge a
-        prompt that takes twice as long."""
+        in steps of the whole token budget or, where the step sizer holds a TPOT target, in the
+        chunks it would give the prompt: the first what the decodes' banks allow now, the rest at
+        the aim, deferral included (`ServiceModel.drain_time`). Beside decodes held to a tight
+        target those chunks are small, and whole-budget steps would judge a prompt that takes
+        twice as long."""
         n_dec = len(self.queues.decodes.reqs) - self.queues.num_batch_decoding()
         svc, sizer = self.load.service, self.limits.sizer
         if sizer is None or n_dec == 0:

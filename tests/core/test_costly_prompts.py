@@ -138,7 +138,10 @@ def test_the_unit_publishes_the_limit_and_the_gate_refuses_by_it_and_counts_the_
 
 def test_on_the_simulator_shedding_the_costliest_serves_more_within_the_slo() -> None:
     """Three times one A100 70B unit's capacity, prompts of 100-600 tokens and of 3,000-7,000 in
-    equal numbers: shedding the costliest serves more within the SLO, and what it sheds is long."""
+    equal numbers: shedding the costliest serves no fewer within the SLO, and what it sheds is long.
+    (It served 7% more here, 1.6542 against 1.5458 req/s, until stop 50's `prompt_over_target`
+    bound, which prices a lone prompt in the chunks the step sizer gives it and so refuses most of
+    the same long prompts itself: 1.7208 against 1.7125.)"""
     cost = CostModel.load("a100-llama70b-tp8")
     rng = np.random.default_rng(1)
     arrival = np.cumsum(rng.exponential(1 / 4.0, 1200))
@@ -151,7 +154,7 @@ def test_on_the_simulator_shedding_the_costliest_serves_more_within_the_slo() ->
         spec = RunSpec(trace, unit_config(cost), cost, Slo(),
                        overrides={"admission.shed_costly_prompts_in_overload": on})
         runs[on] = run_policy(spec, "adaptive", progress=False)
-    assert runs["true"].summary["goodput_rps"] > 1.05 * runs["false"].summary["goodput_rps"]
+    assert runs["true"].summary["goodput_rps"] >= runs["false"].summary["goodput_rps"]
     assert runs["true"].run.counters["rejected"].get("costly_prompt", 0) > 0
     assert "costly_prompt" not in runs["false"].run.counters["rejected"]
     done = runs["true"].run.outcomes
