@@ -81,8 +81,9 @@ ADMISSION_LIMIT = MetricDef("tidal_admission_ttft_limit_seconds", "gauge",
                             "Predicted TTFT past which the unit refuses a request with work ahead: the regime's "
                             "limit times the learned admission aim (0: never refuses for TTFT)")
 SLOW_PROMPT_RATIO = MetricDef("tidal_admission_slow_prompt_ratio", "gauge",
-                              "Learned median of measured TTFT over its bound (the prefill alone beside the running "
-                              "decodes, at the step sizer's aim where it holds one) for long prompts admitted with "
+                              "Learned quantile (the median by default) of measured TTFT over its bound (the prefill "
+                              "alone beside the running decodes, in the chunks the step sizer gives it where it holds "
+                              "a TPOT target) for long prompts admitted with "
                               "nothing ahead; in overload a prompt whose bound times this passes the TTFT target is "
                               "refused (prompt_over_target)")
 COSTLY_LIMIT = MetricDef("tidal_admission_costly_limit_tokens", "gauge",
