@@ -78,8 +78,11 @@ def _async_tokens(group: ReplicaGroup, prompts: list[list[int]]) -> list[list[in
     return asyncio.run(run())
 
 
-def _wait_dead(actor: object) -> None:
-    """`ray.kill` returns before the process is gone; a step sent before then may still be served."""
+def _wait_dead(actor: object, pid: int) -> None:
+    """`ray.kill` returns before the process is gone; a step sent before then may still be served.
+    Ray calls the actor dead a moment before its process exits (and its step socket closes), so
+    this waits for both: the actor's calls failing, then the process (`pid`, on this node) gone
+    or a zombie."""
     import ray
     from ray.exceptions import RayActorError
 
@@ -87,9 +90,19 @@ def _wait_dead(actor: object) -> None:
         try:
             ray.get(actor.check_health.remote(), timeout=5)  # type: ignore[attr-defined]
         except RayActorError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the killed worker still answers")
+    for _ in range(300):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state in ("Z", "X"):  # exited, not yet reaped: its sockets are closed
             return
         time.sleep(0.1)
-    raise AssertionError("the killed worker still answers")
+    raise AssertionError(f"the killed worker's process {pid} is still running")
 
 
 def test_tp2_equals_tp1_tiny_and_dead_worker_fails_fast(ray_cluster: None, tiny_path: Path) -> None:
@@ -104,8 +117,9 @@ def test_tp2_equals_tp1_tiny_and_dead_worker_fails_fast(ray_cluster: None, tiny_
         group.check_health()
         assert group.worker_names == ("tidal-tp-test-r0", "tidal-tp-test-r1")
         assert ray.get_actor("tidal-tp-test-r1") == group.workers[1]  # the names operators kill by
+        pid = ray.get(group.workers[1].__ray_call__.remote(lambda _: os.getpid()))
         ray.kill(group.workers[1])
-        _wait_dead(group.workers[1])
+        _wait_dead(group.workers[1], pid)
         new = NewRequestData("x", PROMPTS[0], 5, GREEDY, [0])
         plan = StepPlan(1, {"x": 5}, {"x": 0}, [new], {}, [], 0, 5, 0, None)
         with pytest.raises(WorkerFailure, match="socket closed"):  # the closed socket, not the step timeout
