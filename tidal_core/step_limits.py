@@ -59,6 +59,16 @@ class StepLimits:
             self.load.batch_cap = cap
         self.running_cap = cap
 
+    def chunk_allowance(self, num_decodes: int, pressure: bool = False) -> float:
+        """Prompt tokens a step may hold beside `num_decodes` decodes, before any deferral: the
+        sizer's allowance (in OVERLOAD with the measured repayment) within `max_prefill_tokens`.
+        Reads only: the step's own `prefill_allowance` and the lone-prompt bound
+        (`UnitView.alone_prefill_s`) share it."""
+        if self.sizer is None:
+            return self._prefill_cap
+        over = self.regime.regime is _OVERLOAD
+        return min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, num_decodes, pressure, over))
+
     def prefill_allowance(self, now: float, num_decodes: int, wanted: float = math.inf) -> float:
         """Prompt tokens the next step may hold beside `num_decodes` decodes (inf: no limit), of
         the `wanted` its token budget leaves; 0 when the sizer defers the prefill to a bigger
@@ -66,9 +76,8 @@ class StepLimits:
         self.deferred = False
         if self.sizer is None:
             return self._prefill_cap
-        over = self.regime.regime is _OVERLOAD
         pressure = now - self.queues.oldest_arrival_s() >= self._pressure_s
-        allowance = min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, num_decodes, pressure, over))
+        allowance = self.chunk_allowance(num_decodes, pressure)
         if self._defer and allowance < wanted:
             q = self.queues
             demand = min(wanted, self._prefill_cap, q.waiting_tokens + q.prefill_remaining)

@@ -26,7 +26,7 @@ from tidal_core.load import LoadEstimator
 from tidal_core.predictor import TtftPredictor
 from tidal_core.queues import UnitQueues
 from tidal_core.refusal_meter import RefusalMeter
-from tidal_core.regime import Regime, RegimeDetector
+from tidal_core.regime import RegimeDetector
 from tidal_core.request import Request
 from tidal_core.snapshot import UnitLoad
 from tidal_core.step_limits import StepLimits
@@ -110,8 +110,7 @@ class UnitView:
             return svc.drain_time(prompt_tokens, n_dec, n_dec, self._max_tokens)
         # The first chunk is what the decodes' banks allow now (a quiet unit's are full), the rest
         # drains at the aim.
-        overload = self.regime.regime is Regime.OVERLOAD
-        first = min(prompt_tokens, self._max_tokens - n_dec, sizer.prefill_allowance(svc, n_dec, overload=overload))
+        first = int(min(prompt_tokens, self._max_tokens - n_dec, self.limits.chunk_allowance(n_dec)))
         if first <= 0:
             return svc.drain_time(prompt_tokens, n_dec, n_dec, self._max_tokens, sizer.aim_s)
         return svc.step_time(first, n_dec) + svc.drain_time(prompt_tokens - first, n_dec, n_dec, self._max_tokens,
