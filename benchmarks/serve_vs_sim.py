@@ -33,7 +33,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from calibration.cost_model import CostModel  # noqa: E402
-from calibration.unit_sizing import kv_cache_blocks  # noqa: E402
+from calibration.unit_sizing import pool_blocks  # noqa: E402
 from loadgen.client import ClientConfig  # noqa: E402
 from loadgen.records import Trace  # noqa: E402
 from loadgen.replay import ReplayConfig, replay  # noqa: E402
@@ -89,7 +89,7 @@ def main() -> int:
     sim_args = load_app_args(yaml.safe_load((ROOT / "configs" / "sim.yaml").read_text())["applications"][0]["args"],
                              environ={})
     cost = CostModel.load(sim_args.engine.cost_model or "a100-llama70b-tp8")
-    cfg = scheduler_config(sim_args.scheduler, num_kv_blocks=kv_cache_blocks(tp=cost.tp, block_size=16),
+    cfg = scheduler_config(sim_args.scheduler, num_kv_blocks=pool_blocks(cost, block_size=16),
                            block_size=sim_args.engine.block_size, max_model_len=sim_args.engine.max_model_len,
                            service_prior=cost.service_prior())
     capacity = unit_capacity(cost, cfg)

@@ -51,11 +51,11 @@ def build_replica_group(engine: EngineArgs, max_num_batched_tokens: int, buckets
     if engine.backend == "sim":
         from calibration.cost_model import CostModel
         from calibration.simulated_replica import SimulatedReplica
-        from calibration.unit_sizing import kv_cache_blocks
+        from calibration.unit_sizing import pool_blocks
 
         assert engine.cost_model is not None
         cost = CostModel.load(engine.cost_model)
-        num_blocks = engine.sim_num_kv_blocks or kv_cache_blocks(tp=cost.tp, block_size=engine.block_size)
+        num_blocks = engine.sim_num_kv_blocks or pool_blocks(cost, block_size=engine.block_size)
         sim = SimulatedReplica.from_cost_model(cost, num_blocks, block_size=engine.block_size,
                                                max_model_len=engine.max_model_len, cuda_graph_buckets=buckets,
                                                placeholder_token_id=SIM_PLACEHOLDER_TOKEN)

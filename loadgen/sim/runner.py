@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from calibration.cost_model import CostModel
 from calibration.sim_executor import SimExecutor
-from calibration.unit_sizing import kv_cache_blocks
+from calibration.unit_sizing import pool_blocks
 from loadgen import plots
 from loadgen.records import Trace
 from loadgen.report import STATUS_NAMES, RunOutcomes, Slo, markdown_table, per_hour, summarize, write_json
@@ -35,8 +35,9 @@ from tidal_core.overrides import apply_overrides
 
 def unit_config(cost_model: CostModel, *, max_batch_size: int = 128, max_num_batched_tokens: int = 2048,
                 max_model_len: int = 8192, block_size: int = 16) -> SchedulerConfig:
-    """Capacity knobs of one unit: the KV pool is what 70B fp16 leaves free on its GPUs."""
-    num_blocks = kv_cache_blocks(tp=cost_model.tp, block_size=block_size)
+    """Capacity knobs of one unit: the KV pool is what the cost model's model (fp16) leaves free on
+    its GPUs (`calibration.unit_sizing.pool_blocks`)."""
+    num_blocks = pool_blocks(cost_model, block_size=block_size)
     return SchedulerConfig(max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens,
                            max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_blocks,
                            service_prior=cost_model.service_prior())

@@ -6,7 +6,7 @@ import asyncio
 
 from calibration.cost_model import CostModel
 from calibration.simulated_replica import SimulatedReplica
-from calibration.unit_sizing import kv_cache_blocks
+from calibration.unit_sizing import kv_cache_blocks, pool_blocks
 from serve_app.config_loader import EngineArgs
 from serve_app.unit import SIM_PLACEHOLDER_TOKEN, build_replica_group
 from tidal_core import SamplingParams
@@ -35,6 +35,13 @@ def test_sim_num_kv_blocks_overrides_the_sized_pool() -> None:
     engine = EngineArgs(backend="sim", cost_model=NAME, sim_num_kv_blocks=300)
     group, _ = build_replica_group(engine, 2048, ())
     assert isinstance(group, SimulatedReplica) and group.num_kv_blocks == 300
+
+
+def test_sim_backend_sizes_another_gpus_unit_from_its_cost_model() -> None:
+    engine = EngineArgs(backend="sim", cost_model="h200-llama-3-8b-tp1-profiled", tp=1, block_size=16)
+    group, _ = build_replica_group(engine, 2048, ())
+    assert isinstance(group, SimulatedReplica)
+    assert group.num_kv_blocks == pool_blocks(CostModel.load("h200-llama-3-8b-tp1-profiled"), block_size=16) > 50_000
 
 
 def test_hf_backend_passes_every_engine_field_the_workers_know(monkeypatch) -> None:
