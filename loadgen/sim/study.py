@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from calibration.cost_model import CostModel
 from loadgen import plots
@@ -82,12 +83,13 @@ def constant_trace(rate: float, minutes: float, seed: int, max_len: int) -> Trac
     return Trace(f"constant {rate:.3g} rps", arrival, inp, out, duration_s=span, source="sweep")
 
 
-def run_day(out: Path, cost: CostModel, base: SchedulerConfig, slo: Slo, hours: float, seed: int) -> str:
+def run_day(out: Path, cost: CostModel, base: SchedulerConfig, slo: Slo, hours: float, seed: int,
+            progress: bool = True) -> str:
     sections = []
     for name in ("day-in-life-sharp", "day-in-life"):
         trace = day_trace(name, cost, base, hours=hours, seed=seed, peak_load=1.3, cv=None)
         spec = RunSpec(trace, base, cost, slo, seed=seed)
-        runs = [run_policy(spec, p) for p in POLICIES]
+        runs = [run_policy(spec, p, progress=progress) for p in POLICIES]
         write_run(out / "day" / name, f"{name} on {cost.name}", runs, slo, requests_jsonl=False)
         wall = ", ".join(f"{r.policy} {r.wall_s:.0f}s" for r in runs)
         sections.append(f"### {trace.name}: {len(trace)} requests\n\n{summary_markdown(runs)}\n"
@@ -96,15 +98,21 @@ def run_day(out: Path, cost: CostModel, base: SchedulerConfig, slo: Slo, hours: 
     return "\n".join(sections)
 
 
-def run_sweep(out: Path, cost: CostModel, base: SchedulerConfig, slo: Slo, seed: int, minutes: float = 20.0) -> str:
+def run_sweep(out: Path, cost: CostModel, base: SchedulerConfig, slo: Slo, seed: int, minutes: float = 20.0,
+              progress: bool = True) -> str:
     capacity = unit_capacity(cost, base)
     curves: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
-    for load in SWEEP_LOADS:
-        trace = constant_trace(load * capacity, minutes, seed, base.max_model_len)
-        spec = RunSpec(trace, base, cost, slo, seed=seed)
-        for policy in POLICIES:
-            r = run_policy(spec, policy, progress=False)
-            curves[policy].append({"load": load, "offered_rps": round(load * capacity, 4), **r.summary})
+    # One bar over the runs (a fast unit's sweep replays tens of thousands of requests a run).
+    with tqdm(total=len(SWEEP_LOADS) * len(POLICIES), desc="constant-rate sweep", unit="run",
+              disable=not progress) as bar:
+        for load in SWEEP_LOADS:
+            trace = constant_trace(load * capacity, minutes, seed, base.max_model_len)
+            spec = RunSpec(trace, base, cost, slo, seed=seed)
+            for policy in POLICIES:
+                bar.set_postfix_str(f"{load:g}x {policy}")
+                r = run_policy(spec, policy, progress=progress)
+                curves[policy].append({"load": load, "offered_rps": round(load * capacity, 4), **r.summary})
+                bar.update()
     write_json(out / "sweep" / "curves.json", curves)
     plots.plot_latency_throughput(out / "sweep" / "latency_throughput.png", curves,
                                   f"constant-rate sweep on {cost.name}", slo_ms=slo.ttft_s * 1000)
@@ -118,7 +126,8 @@ def run_sweep(out: Path, cost: CostModel, base: SchedulerConfig, slo: Slo, seed:
 
 
 def run_fleet(out: Path, cost: CostModel, base: SchedulerConfig, slo: Slo, hours: float, seed: int,
-              peak_units: int = 3, autoscale: AutoscaleConfig | None = None, attainment_goal: float = 0.99) -> str:
+              peak_units: int = 3, autoscale: AutoscaleConfig | None = None, attainment_goal: float = 0.99,
+              progress: bool = True) -> str:
     """Autoscaled fleet vs the smallest fixed fleet that meets the SLO goal, on the same day.
 
     The day peaks at `peak_units` x one unit's measured capacity. Fixed fleets are tried from
@@ -132,7 +141,7 @@ def run_fleet(out: Path, cost: CostModel, base: SchedulerConfig, slo: Slo, hours
     rows = []
     for units in range(peak_units, config.max_units + 1):
         label = f"fixed {units} units"
-        r = run_policy(RunSpec(trace, base, cost, slo, units=units, seed=seed), "adaptive")
+        r = run_policy(RunSpec(trace, base, cost, slo, units=units, seed=seed), "adaptive", progress=progress)
         write_run(out / "fleet" / f"fixed-{units}", f"{label}: {trace.name}", [r], slo, requests_jsonl=False)
         rows.append({"fleet": label, **r.summary})
         if r.summary["slo_attainment"] >= attainment_goal:
@@ -144,7 +153,8 @@ def run_fleet(out: Path, cost: CostModel, base: SchedulerConfig, slo: Slo, hours
                       min(config.max_units, math.ceil(first_rate / (config.target_load * unit_capacity(cost, base)))))
     label = (f"autoscaled ({config.min_units}..{config.max_units} units, {start_units} at midnight, "
              f"target load {config.target_load})")
-    r = run_policy(RunSpec(trace, base, cost, slo, units=start_units, seed=seed, autoscale=config), "adaptive")
+    r = run_policy(RunSpec(trace, base, cost, slo, units=start_units, seed=seed, autoscale=config), "adaptive",
+                   progress=progress)
     write_run(out / "fleet" / "autoscaled", f"{label}: {trace.name}", [r], slo, requests_jsonl=False)
     rows.append({"fleet": label, **r.summary})
     fixed_gpu_hours = rows[-2]["gpu_hours"]
@@ -161,15 +171,18 @@ def run_study(args: argparse.Namespace) -> int:
                        max_model_len=args.max_model_len)
     slo = Slo(args.slo_ttft, args.slo_tpot)
     parts = args.part or ["day", "sweep", "fleet"]
+    progress = not getattr(args, "quiet", False)
     md = [f"# Study on {cost.name}\n\nSLO: TTFT <= {slo.ttft_s} s, TPOT <= {slo.tpot_s * 1000:.0f} ms. "
           f"Unit: max_batch_size {base.max_batch_size}, budget {base.max_num_batched_tokens} tokens, "
           f"{base.num_kv_blocks} KV blocks of {base.block_size}.\n"]
     if "day" in parts:
-        md.append("## Day in the life (one unit)\n\n" + run_day(out, cost, base, slo, args.hours, args.seed))
+        md.append("## Day in the life (one unit)\n\n" + run_day(out, cost, base, slo, args.hours, args.seed, progress))
     if "sweep" in parts:
-        md.append("## Constant-rate sweep (one unit)\n\n" + run_sweep(out, cost, base, slo, args.seed))
+        md.append("## Constant-rate sweep (one unit)\n\n"
+                  + run_sweep(out, cost, base, slo, args.seed, progress=progress))
     if "fleet" in parts:
-        md.append("## Autoscaled fleet\n\n" + run_fleet(out, cost, base, slo, args.hours, args.seed))
+        md.append("## Autoscaled fleet\n\n" + run_fleet(out, cost, base, slo, args.hours, args.seed,
+                                                                 progress=progress))
     (out / "study.md").parent.mkdir(parents=True, exist_ok=True)
     (out / "study.md").write_text("\n\n".join(md) + "\n")
     print((out / "study.md").read_text())
