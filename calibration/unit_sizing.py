@@ -35,7 +35,8 @@ MODEL_SHAPES: dict[str, ModelShape] = {
     # 8.03 B parameters; 32 layers x 8 KV heads x 128 dims: 128 KiB of KV a token.
     "llama-3-8b": ModelShape(16.06, kv_bytes_per_token(32, 8, 128)),
 }
-"""The models the cost models under calibration/costmodels (and `tidal profile`'s presets) name."""
+"""The models the cost models under calibration/costmodels name (a profiled model not here needs an
+entry, or `sim_num_kv_blocks` in Serve)."""
 
 GPU_MEMORY_GB: dict[str, float] = {"a100": 80.0, "h100": 80.0, "h200": 141.0}
 """Memory of one GPU of each kind the cost models name (the A100 and H100 of 80 GB)."""
