@@ -119,3 +119,27 @@ def test_a_day_has_24_compressed_hours_with_their_own_table(tmp_path: Path) -> N
     assert "### Per hour: sharp-day-code" in md and "| sharp-day-code | x0.3 | a100 |" in md
     assert "### Days, SLO ttft1-tpot100" in md
     json.dumps(res)  # a cell is plain JSON
+
+
+def test_rerun_replaces_one_familys_variants_and_keeps_the_stored_baselines(tmp_path: Path) -> None:
+    from tidal_cli import main as tidal
+
+    args = ["sweep", "--out", str(tmp_path), "--trace", "constant", "--rate", "0.3", "--gpu", A100, "--minutes", "0.5",
+            "--slo", "ttft1-tpot100", "--no-ablations", "--budgets", "256", "--caps", "16", "--quiet"]
+    assert tidal(args) == 0
+    (path,) = (tmp_path / "cells").glob("*.json")
+    fresh = json.loads(path.read_text())
+    stored = json.loads(path.read_text())
+    for label in ("adaptive", "sarathi@256"):  # marks: what a rerun replaces and what it keeps
+        stored["variants"][label]["slo"]["ttft1-tpot100"]["goodput_rps"] = -1.0
+    path.write_text(json.dumps(stored))
+    assert tidal([*args, "--rerun", "adaptive"]) == 0
+    after = json.loads(path.read_text())
+    assert after["variants"]["adaptive"] == fresh["variants"]["adaptive"]  # run again: the same deterministic run
+    assert after["variants"]["sarathi@256"]["slo"]["ttft1-tpot100"]["goodput_rps"] == -1.0  # kept, not rerun
+    assert set(after["variants"]) == set(fresh["variants"]) and "adaptive" in after["rerun"]
+    with pytest.raises(SystemExit, match="no family nope"):
+        tidal([*args, "--rerun", "nope"])
+    moved = [a if a != "0.5" else "0.4" for a in args]  # another window: another trace than the one stored
+    with pytest.raises(SystemExit, match="another trace"):
+        tidal([*moved, "--rerun", "adaptive"])
