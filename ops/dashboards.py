@@ -105,6 +105,11 @@ def _batching(t: Targets) -> list[Panel]:
            "(1: as configured). Each request that missed the TPOT target lowers it, each other raises it a "
            "little: low when short answers borrowed and ended before repaying.",
            [Target(Q.gauge(M.BORROW_SCALE), UNIT_LEGEND)], "short"),
+        ts("Step sizer: OVERLOAD prefill cap by unit", "Prompt tokens a step may hold in OVERLOAD, learned down "
+           "while the batch sits at max_batch_size with prompts waiting (the queue forms in slots, which admission "
+           "cannot tell a long prompt from a short one by) and back up when the cap cuts prompts with a slot "
+           "free. At max_num_batched_tokens: never lowered (the TPOT target binds first on most units).",
+           [Target(Q.gauge(M.OVERLOAD_PREFILL_CAP), UNIT_LEGEND)], "short", width=24),
     ]
 
 

@@ -98,6 +98,10 @@ TPOT_AIM = MetricDef("tidal_step_sizer_tpot_aim_seconds", "gauge",
 BORROW_SCALE = MetricDef("tidal_step_sizer_borrow_scale", "gauge",
                          "Share of its configured borrow quantiles the step sizer lends against (1: as configured; "
                          "lowered by each request that missed the TPOT target, so about 0.5% miss)")
+OVERLOAD_PREFILL_CAP = MetricDef("tidal_step_sizer_overload_prefill_cap_tokens", "gauge",
+                                 "Prompt tokens a step may hold while the unit is in OVERLOAD, learned so that its "
+                                 "batch seldom sits at max_batch_size with prompts waiting "
+                                 "(max_num_batched_tokens: not lowered)")
 PADDING_WASTE = MetricDef("tidal_cuda_graph_padding_waste", "gauge",
                           "Fraction of CUDA-graph batch slots that were padding, since start")
 BATCH_WAITING = MetricDef("tidal_batch_backlog_requests", "gauge",
@@ -158,7 +162,7 @@ AUTH_FAILURES = MetricDef("tidal_auth_failures", "counter",
 ALL_METRICS: tuple[MetricDef, ...] = (
     TTFT, ITL, E2E, QUEUE_TIME, FRONT_DELAY, MICROWAIT, BATCH_SIZE, STEP_TIME, TTFT_PREDICTION,
     RUNNING, WAITING, KV_USAGE, REGIME, LOAD, CAPACITY, QUEUE_DELAY, ADMISSION_LIMIT, SLOW_PROMPT_RATIO, COSTLY_LIMIT,
-    MEASURED_TPOT, TPOT_AIM, BORROW_SCALE,
+    MEASURED_TPOT, TPOT_AIM, BORROW_SCALE, OVERLOAD_PREFILL_CAP,
     PADDING_WASTE,
     UNITS_DESIRED, UNITS_DEMAND, BATCH_WAITING, BATCH_BACKLOG_TOKENS, BATCH_RUNNING,
     DISPATCHES, REJECTIONS, FRONT_REFUSALS, PREEMPTIONS, FINISHED, PROMPT_TOKENS, GENERATION_TOKENS, ARRIVALS,

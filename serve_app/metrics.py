@@ -158,6 +158,7 @@ class UnitMetrics:
         sizer = sched.sizer
         m[M.TPOT_AIM.name].set(sizer.aim_s if sizer is not None else 0.0)
         m[M.BORROW_SCALE.name].set(sizer.borrow_scale if sizer is not None else 1.0)
+        m[M.OVERLOAD_PREFILL_CAP.name].set(sched.limits.slot_cap)
         m[M.PADDING_WASTE.name].set(sched.buckets.padding_waste())
         m[M.BATCH_WAITING.name].set(snap.batch_waiting)
         m[M.BATCH_BACKLOG_TOKENS.name].set(snap.batch_backlog_tokens)

@@ -207,6 +207,13 @@ class StepSizingConfig:
     both quantiles are scaled by a factor learned the same way from the requests that missed the
     target itself (down by `borrow_gain` x (1 - `borrow_tail`) for each, up by `borrow_gain` x
     `borrow_tail` for any other, within [0, 1]): about `borrow_tail` of them miss, however short.
+    With `slot_gain` > 0, in OVERLOAD a step's prompt tokens are also held under a cap learned
+    from `max_num_batched_tokens` down (core/step_limits.py): down by `slot_gain` x (1 -
+    `slot_tail`) on a step that finds prompts waiting with `max_batch_size` requests running
+    while the decode steps leave over half the aim unused and the load is at least
+    `slot_min_load` (core/load.py, `LoadEstimator.overload`), up by `slot_gain` x `slot_tail` on
+    one whose prompts the allowance cut with a slot free, so about `slot_tail` of those steps find
+    the batch full.
     Off (`enabled=False`) or without a TPOT target, steps are bounded only by the token budget.
     """
 
@@ -225,6 +232,9 @@ class StepSizingConfig:
     borrow_gain: float = 0.05
     borrow_tail: float = 0.005
     defer: bool = True
+    slot_gain: float = 0.005
+    slot_tail: float = 0.02
+    slot_min_load: float = 1.5
 
     def __post_init__(self) -> None:
         _require(self.borrow_quantile <= self.pressure_quantile <= 1.0,
@@ -246,6 +256,10 @@ class StepSizingConfig:
         _require(0.0 <= self.borrow_gain <= 0.2,
                  f"step_sizing.borrow_gain={self.borrow_gain} must be in [0, 0.2] (0: borrowing is never scaled)")
         _require(0.0 < self.borrow_tail < 0.5, f"step_sizing.borrow_tail={self.borrow_tail} must be in (0, 0.5)")
+        _require(0.0 <= self.slot_gain <= 0.1,
+                 f"step_sizing.slot_gain={self.slot_gain} must be in [0, 0.1] (0: no learned OVERLOAD prefill cap)")
+        _require(0.0 < self.slot_tail < 0.5, f"step_sizing.slot_tail={self.slot_tail} must be in (0, 0.5)")
+        _require(self.slot_min_load >= 1.0, f"step_sizing.slot_min_load={self.slot_min_load} must be >= 1")
         _require(self.aim_gain == 0.0 or self.aim_floor <= self.headroom <= 1.0,
                  f"step_sizing.headroom={self.headroom} must be in [aim_floor={self.aim_floor}, 1] when the aim is "
                  "learned (aim_gain > 0); set aim_gain=0 to aim at a fixed headroom")

@@ -14,6 +14,25 @@ its banks into the two limits `Scheduler.schedule` applies to every step:
   future token credited with the repayment the decode steps measurably made (not what a
   decode-only step would repay: a unit that fills every step borrows nothing).
 
+- **OVERLOAD prefill cap** (`slot_cap`, `step_sizing.slot_gain`): in OVERLOAD a step's prompt
+  tokens are also held under a cap learned from `max_num_batched_tokens` down. Where the TPOT
+  target is slack for the unit (a small model on a fast GPU), nothing above limits a step: it
+  prefills the queue's prompts at once, the batch fills to `max_batch_size`, and prompts wait
+  for a slot. That wait is the same for every prompt, so admission refuses short prompts and long
+  ones alike, and the unit serves fewer requests: a long prompt costs as much as several short
+  ones. With smaller steps the batch stays under its cap and the queue forms in prompt tokens,
+  where the TTFT prediction counts each prompt's own prefill and refuses the long ones first.
+  A step that finds prompts waiting with the batch at `max_batch_size`, while the decode steps
+  measurably leave more than half the aim unused (the sizer's `repay_s`: the target does not
+  bind) and the load is at least `slot_min_load` (`LoadEstimator.overload`, current and
+  lasting: 1.5, a third of the arrivals must be refused anyway), lowers the cap by `slot_gain x
+  (1 - slot_tail)`; one whose prompts the allowance cut with a slot free raises it by `slot_gain
+  x slot_tail`; within [64 tokens, the budget]. It settles where about `slot_tail` of those steps
+  find the batch full. Smaller steps cost the GPU a prefill step's fixed cost more often, which
+  is why a mild overload, where few are refused and which ones matters less, keeps the budget.
+  A unit whose target binds (the 70B units) fills its steps to the aim and never lowers it.
+  Outside OVERLOAD the cap is not applied, and is kept for the next overload.
+
 Each finished step's interval is charged to the decodes' banks here (`on_step_done`); a
 decode starting or ending, and a request's output length, reach the sizer from whoever moves
 requests (core/completion.py).
@@ -31,12 +50,14 @@ from tidal_core.queues import UnitQueues
 from tidal_core.regime import Regime, RegimeDetector
 from tidal_core.step_sizer import StepSizer
 
+_SLOT_CAP_FLOOR = 64.0  # prompt tokens: the learned cap never starves the queue's prefill
+_SLACK = 0.5  # share of the aim the decode steps must measurably leave unused for the cap to fall
 _OVERLOAD = Regime.OVERLOAD  # a module global: an enum class's attribute lookup is slow (regime.py)
 
 
 class StepLimits:
-    __slots__ = ("_defer", "_max_batch_size", "_prefill_cap", "_pressure_s", "deferred", "load", "queues", "regime",
-                 "running_cap", "sizer")
+    __slots__ = ("_budget", "_defer", "_max_batch_size", "_prefill_cap", "_pressure_s", "_slot_down", "_slot_min_load",
+                 "_slot_up", "deferred", "load", "queues", "regime", "running_cap", "sizer", "slot_cap")
 
     def __init__(self, config: SchedulerConfig, queues: UnitQueues, load: LoadEstimator, regime: RegimeDetector,
                  now: float = 0.0) -> None:
@@ -49,6 +70,10 @@ class StepLimits:
         self._defer = sizing.defer
         self.running_cap = config.max_batch_size
         self.deferred = False  # the last prefill_allowance deferred the step's prefill
+        self._budget = self.slot_cap = float(config.max_num_batched_tokens)  # learned in OVERLOAD (slot_gain)
+        self._slot_down = 1.0 - sizing.slot_gain * (1.0 - sizing.slot_tail)
+        self._slot_up = 1.0 + sizing.slot_gain * sizing.slot_tail
+        self._slot_min_load = sizing.slot_min_load
         self.refresh()
 
     def refresh(self) -> None:
@@ -67,7 +92,15 @@ class StepLimits:
         if self.sizer is None:
             return self._prefill_cap
         over = self.regime.regime is _OVERLOAD
-        return min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, num_decodes, pressure, over))
+        allowance = min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, num_decodes, pressure, over))
+        return min(allowance, self.slot_cap) if over and self.slot_cap < self._budget else allowance
+
+    def prompt_tokens_cap(self, num_decodes: int) -> int:
+        """A step's tokens, decodes included, where the learned OVERLOAD prefill cap holds the
+        prompts below `max_num_batched_tokens` (`slot_cap`); else the token budget itself."""
+        if self.regime.regime is _OVERLOAD and self.slot_cap < self._budget:
+            return min(int(self._budget), num_decodes + int(self.slot_cap))
+        return int(self._budget)
 
     def prefill_allowance(self, now: float, num_decodes: int, wanted: float = math.inf) -> float:
         """Prompt tokens the next step may hold beside `num_decodes` decodes (inf: no limit), of
@@ -76,10 +109,12 @@ class StepLimits:
         self.deferred = False
         if self.sizer is None:
             return self._prefill_cap
-        pressure = now - self.queues.oldest_arrival_s() >= self._pressure_s
+        q = self.queues
+        pressure = now - q.oldest_arrival_s() >= self._pressure_s
         allowance = self.chunk_allowance(num_decodes, pressure)
+        if self._slot_up > 1.0 and self.regime.regime is _OVERLOAD:
+            self._learn_slot_cap(allowance, wanted, now)
         if self._defer and allowance < wanted:
-            q = self.queues
             demand = min(wanted, self._prefill_cap, q.waiting_tokens + q.prefill_remaining)
             # Only a chunk that would not finish the oldest prompt is worth deferring: one that
             # does gives that request its first token now.
@@ -88,6 +123,18 @@ class StepLimits:
                 self.deferred = True
                 return 0
         return allowance
+
+    def _learn_slot_cap(self, allowance: float, wanted: float, now: float) -> None:
+        """One OVERLOAD step's verdict on the learned prefill cap: down when prompts wait and the
+        batch is at `max_batch_size` (the slots, not the allowance, hold them back), up when the
+        allowance cut the prompts' tokens with a slot free (`step_sizing.slot_gain`)."""
+        q, sizer = self.queues, self.sizer
+        if q.num_running >= self._max_batch_size:
+            if q.waiting and sizer is not None and sizer.repay_s > _SLACK * sizer.aim_s and \
+                    self.load.overload(now)[0] >= self._slot_min_load:
+                self.slot_cap = max(_SLOT_CAP_FLOOR, self.slot_cap * self._slot_down)
+        elif allowance < wanted and allowance < q.waiting_tokens + q.prefill_remaining:
+            self.slot_cap = min(self._budget, self.slot_cap * self._slot_up)
 
     def _head_need(self) -> int:
         """Prompt tokens the oldest prompt still needs (prefilling first, then the queue's head)."""

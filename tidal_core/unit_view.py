@@ -110,11 +110,11 @@ class UnitView:
             return svc.drain_time(prompt_tokens, n_dec, n_dec, self._max_tokens)
         # The first chunk is what the decodes' banks allow now (a quiet unit's are full), the rest
         # drains at the aim.
-        first = int(min(prompt_tokens, self._max_tokens - n_dec, self.limits.chunk_allowance(n_dec)))
+        tokens = self.limits.prompt_tokens_cap(n_dec)
+        first = int(min(prompt_tokens, tokens - n_dec, self.limits.chunk_allowance(n_dec)))
         if first <= 0:
-            return svc.drain_time(prompt_tokens, n_dec, n_dec, self._max_tokens, sizer.aim_s)
-        return svc.step_time(first, n_dec) + svc.drain_time(prompt_tokens - first, n_dec, n_dec, self._max_tokens,
-                                                             sizer.aim_s)
+            return svc.drain_time(prompt_tokens, n_dec, n_dec, tokens, sizer.aim_s)
+        return svc.step_time(first, n_dec) + svc.drain_time(prompt_tokens - first, n_dec, n_dec, tokens, sizer.aim_s)
 
     def snapshot(self, now: float, unit_id: str = "") -> UnitLoad:
         """This unit's state now. `num_waiting`, `queue_delay_s` and `kv_usage` are the

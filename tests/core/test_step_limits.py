@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tidal_core import AdmissionConfig, Regime, Request, SamplingParams, SchedulerConfig, ServicePrior
+from tidal_core import AdmissionConfig, FinishReason, Regime, Request, SamplingParams, SchedulerConfig, ServicePrior
 from tidal_core import StepSizingConfig as Sizing
 from tidal_core.load import LoadEstimator
 from tidal_core.queues import UnitQueues
@@ -100,3 +100,88 @@ def test_overload_borrows_against_the_repayment_decode_steps_measurably_made() -
 def test_the_prefill_cap_bounds_the_sizer_allowance() -> None:
     limits = _decoding(_limits(admission=TPOT, step_sizing=SIZING, max_prefill_tokens=500))
     assert limits.prefill_allowance(0.0, 1) == 500
+
+
+NOW = 1.0
+
+
+def _slot_bound(max_batch_size: int, gain: float = 0.1, tail: float = 0.25, arrivals: int = 5000) -> StepLimits:
+    """Limits of a unit in OVERLOAD whose `max_batch_size` requests all run while "old" and one
+    more prompt wait, `arrivals` requests having arrived in the last second."""
+    sizing = dataclasses.replace(SIZING, slot_gain=gain, slot_tail=tail, defer=False, pressure_fraction=10.0)
+    limits = _decoding(_limits(admission=TPOT, step_sizing=sizing, max_batch_size=max_batch_size))
+    for i in range(max_batch_size):
+        req = Request(f"run{i}", 100, SamplingParams(max_tokens=8), arrival_s=0.0)
+        limits.queues.enqueue(req)
+        limits.queues.waiting.rotate(1)  # the new request is the head that starts; "old" waits on
+        limits.queues.start_prefill(req, 0.0)
+    limits.queues.enqueue(Request("new", 100, SamplingParams(max_tokens=8), arrival_s=0.0))
+    for i in range(arrivals):
+        limits.load.on_arrival(NOW * i / arrivals, 100, 8)
+    limits.regime.regime = Regime.OVERLOAD
+    assert limits.sizer is not None
+    limits.sizer.repay_s = 0.08  # decode steps measured 20 ms against the 100 ms aim: the TPOT target is slack
+    return limits
+
+
+def test_overload_with_the_batch_full_and_prompts_waiting_lowers_the_prefill_cap() -> None:
+    limits = _slot_bound(2)
+    assert limits.load.overload(NOW)[0] >= 1.5  # far over capacity: which requests are refused matters
+    assert limits.queues.num_running == 2 and len(limits.queues.waiting) == 2 and limits.slot_cap == 4096
+    assert limits.prefill_allowance(NOW, 1) == pytest.approx(790, abs=2)  # the cap is not below the sizer's yet
+    assert limits.slot_cap == pytest.approx(4096 * (1 - 0.1 * 0.75))
+    for _ in range(40):
+        limits.prefill_allowance(NOW, 1)
+    assert limits.slot_cap == pytest.approx(4096 * (1 - 0.1 * 0.75) ** 41)
+    cap = limits.slot_cap
+    assert limits.prefill_allowance(NOW, 1) == cap < 790  # now it bounds the step
+    for _ in range(100):
+        limits.prefill_allowance(NOW, 1)
+    assert limits.slot_cap == 64  # the floor: the queue's prefill never stops
+    limits.regime.regime = Regime.STEADY
+    assert limits.prefill_allowance(NOW, 1) == pytest.approx(790, abs=2)  # applied in OVERLOAD only
+    assert limits.slot_cap == 64  # and learned there only
+
+
+def test_a_full_batch_keeps_the_prefill_cap_where_the_tpot_target_binds_or_the_overload_is_mild() -> None:
+    binding = _slot_bound(2)
+    assert binding.sizer is not None
+    binding.sizer.repay_s = 0.04  # steps at 60 ms of the 100 ms aim: the target binds, not the slots
+    mild = _slot_bound(2, arrivals=0)  # nothing arrived lately: the load is not over 1.5
+    assert mild.load.overload(NOW)[0] < 1.5
+    for limits in (binding, mild):
+        for _ in range(50):
+            limits.prefill_allowance(NOW, 1)
+        assert limits.slot_cap == 4096
+
+
+def test_a_free_slot_and_a_cut_step_raise_the_prefill_cap_up_to_the_token_budget() -> None:
+    limits = _slot_bound(3)
+    limits.slot_cap = 100.0
+    limits.queues.remove(limits.queues.prefilling["run0"], FinishReason.ABORT, 0.0)  # a slot frees
+    assert limits.prefill_allowance(NOW, 1, wanted=4000) == 100  # the cap cut the prompts' 400 tokens
+    assert limits.slot_cap == pytest.approx(100 * (1 + 0.1 * 0.25))
+    before = limits.slot_cap
+    limits.prefill_allowance(NOW, 1, wanted=50)  # the budget, not the allowance, held the step back
+    assert limits.slot_cap == before
+    for _ in range(200):
+        limits.prefill_allowance(NOW, 1, wanted=4000)
+    assert 400 < limits.slot_cap <= 400 * 1.025  # it rose until the prompts' 400 tokens fitted, and stopped
+    limits.queues.enqueue(Request("long", 6000, SamplingParams(max_tokens=8), arrival_s=0.0))
+    for _ in range(2000):
+        limits.prefill_allowance(NOW, 1, wanted=4000)
+    assert limits.slot_cap == 4096  # cut by the sizer's 790 tokens now: up to max_num_batched_tokens, no further
+
+
+def test_without_slot_gain_the_prefill_cap_never_moves() -> None:
+    limits = _slot_bound(2, gain=0.0)
+    for _ in range(50):
+        limits.prefill_allowance(NOW, 1)
+    assert limits.slot_cap == 4096
+
+
+@pytest.mark.parametrize("field, value", [("slot_gain", -0.1), ("slot_gain", 0.2), ("slot_tail", 0.0),
+                                          ("slot_tail", 0.5), ("slot_min_load", 0.9)])
+def test_slot_learning_settings_out_of_range_are_refused(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=f"step_sizing.{field}"):
+        Sizing(**{field: value})  # type: ignore[arg-type]

@@ -141,6 +141,15 @@ def test_the_step_sizer_gauges_show_its_aim_and_borrow_scale(metrics: unit_metri
     assert m._m[M.BORROW_SCALE.name].value < 1.0 and m._m[M.TPOT_AIM.name].value < 0.02 * 0.95
 
 
+def test_the_overload_prefill_cap_gauge_shows_what_the_step_limits_learned(metrics: unit_metrics.UnitMetrics) -> None:
+    s, m = _scheduler(), metrics
+    m.refresh_gauges(s, 0.0)
+    assert m._m[M.OVERLOAD_PREFILL_CAP.name].value == 512  # max_num_batched_tokens: never lowered
+    s.limits.slot_cap = 200.0  # as if an overload had held the batch at max_batch_size
+    m.refresh_gauges(s, 0.1)
+    assert m._m[M.OVERLOAD_PREFILL_CAP.name].value == 200.0
+
+
 def test_the_slow_prompt_ratio_gauge_follows_what_admission_learned(metrics: unit_metrics.UnitMetrics) -> None:
     s, ex, now, m = _scheduler(), FakeExecutor(), 0.0, metrics
     s.add_request(_req("a", 40, 4, now), now)
