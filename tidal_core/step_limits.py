@@ -95,7 +95,7 @@ class StepLimits:
         allowance = min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, num_decodes, pressure, over))
         return min(allowance, self.slot_cap) if over and self.slot_cap < self._budget else allowance
 
-    def prompt_tokens_cap(self, num_decodes: int) -> int:
+    def step_token_budget(self, num_decodes: int) -> int:
         """A step's tokens, decodes included, where the learned OVERLOAD prefill cap holds the
         prompts below `max_num_batched_tokens` (`slot_cap`); else the token budget itself."""
         if self.regime.regime is _OVERLOAD and self.slot_cap < self._budget:
@@ -125,9 +125,10 @@ class StepLimits:
         return allowance
 
     def _learn_slot_cap(self, allowance: float, wanted: float, now: float) -> None:
-        """One OVERLOAD step's verdict on the learned prefill cap: down when prompts wait and the
-        batch is at `max_batch_size` (the slots, not the allowance, hold them back), up when the
-        allowance cut the prompts' tokens with a slot free (`step_sizing.slot_gain`)."""
+        """One OVERLOAD step's verdict on the learned prefill cap: down when prompts wait with the
+        batch at `max_batch_size` (the slots, not the allowance, hold them back) while the decode
+        steps leave over half the aim unused and the load is at least `slot_min_load`; up when
+        the allowance cut the prompts' tokens with a slot free (`step_sizing.slot_gain`)."""
         q, sizer = self.queues, self.sizer
         if q.num_running >= self._max_batch_size:
             if q.waiting and sizer is not None and sizer.repay_s > _SLACK * sizer.aim_s and \

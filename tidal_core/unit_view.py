@@ -101,16 +101,16 @@ class UnitView:
         interactive decodes running now, on the fitted step model without the learned correction:
         in steps of the whole token budget or, where the step sizer holds a TPOT target, in the
         chunks it would give the prompt: the first what the decodes' banks allow now, the rest at
-        the aim, deferral included (`ServiceModel.drain_time`). Beside decodes held to a tight
-        target those chunks are small, and whole-budget steps would judge a prompt that takes
-        twice as long."""
+        the aim, deferral included (`ServiceModel.drain_time`), and in OVERLOAD within the learned
+        prefill cap (`StepLimits.step_token_budget`). Beside decodes held to a tight target those
+        chunks are small, and whole-budget steps would judge a prompt that takes twice as long."""
         n_dec = len(self.queues.decodes.reqs) - self.queues.num_batch_decoding()
         svc, sizer = self.load.service, self.limits.sizer
         if sizer is None or n_dec == 0:
             return svc.drain_time(prompt_tokens, n_dec, n_dec, self._max_tokens)
         # The first chunk is what the decodes' banks allow now (a quiet unit's are full), the rest
         # drains at the aim.
-        tokens = self.limits.prompt_tokens_cap(n_dec)
+        tokens = self.limits.step_token_budget(n_dec)
         first = int(min(prompt_tokens, tokens - n_dec, self.limits.chunk_allowance(n_dec)))
         if first <= 0:
             return svc.drain_time(prompt_tokens, n_dec, n_dec, tokens, sizer.aim_s)

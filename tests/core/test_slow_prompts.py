@@ -305,3 +305,29 @@ def test_beside_decodes_held_to_a_tpot_target_a_lone_prompt_is_judged_by_the_chu
     assert refused is not None and refused.reason == "prompt_over_target"
     sched, _, now = unit()
     assert fits <= published_load(sched, now).alone_limit_tokens < fits_whole_only
+
+
+def test_a_lone_prompts_bound_reads_the_learned_overload_prefill_cap() -> None:
+    """In OVERLOAD with the step limits' learned prefill cap below the budget, a lone prompt's
+    bound counts the smaller chunks it would get, each paying a prefill step's fixed cost."""
+    prior = ServicePrior(step_overhead_s=0.020, prefill_s_per_token=0.0001, decode_s_per_seq=0.001,
+                         prefill_step_s=0.020)
+    cfg = preset("adaptive", SchedulerConfig(
+        max_batch_size=64, max_num_batched_tokens=2048, max_model_len=16384, block_size=16, num_kv_blocks=4096,
+        cuda_graph_buckets=(), service_prior=prior,
+        admission=AdmissionConfig(target_ttft_s=1.0, target_tpot_s=1.0)))  # a slack target: whole-budget chunks
+    sched, svc = Scheduler(cfg), ServiceModel(prior)
+    ex = FakeExecutor(time_fn=lambda plan: svc.step_time(plan.num_prefill_tokens, plan.num_decode_seqs))
+    for i in range(8):
+        decode = Request(f"d{i}", 32, SamplingParams(max_tokens=300, ignore_eos=True), 0.0)
+        assert sched.add_request(decode, 0.0) is None
+    decision = sched.schedule(0.0)
+    assert isinstance(decision, Run)
+    sched.on_step_done(decision.plan, ex.execute(decision.plan), 0.1)
+    sched.regime.regime = Regime.OVERLOAD
+    whole = sched.view.alone_prefill_s(4000)
+    sched.limits.slot_cap = 128.0
+    capped = sched.view.alone_prefill_s(4000)
+    assert capped >= 4000 / 128 * (0.020 + 0.020 + 128 * 0.0001) > 2 * whole  # 32 steps of 128 tokens, not 2 of 2040
+    sched.regime.regime = Regime.STEADY
+    assert sched.view.alone_prefill_s(4000) == whole  # the cap holds in OVERLOAD only
