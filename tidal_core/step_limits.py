@@ -93,14 +93,18 @@ class StepLimits:
             return self._prefill_cap
         over = self.regime.regime is _OVERLOAD
         allowance = min(self._prefill_cap, self.sizer.prefill_allowance(self.load.service, num_decodes, pressure, over))
-        return min(allowance, self.slot_cap) if over and self.slot_cap < self._budget else allowance
+        return min(allowance, self.slot_cap) if self._slot_capped() else allowance
 
     def step_token_budget(self, num_decodes: int) -> int:
         """A step's tokens, decodes included, where the learned OVERLOAD prefill cap holds the
         prompts below `max_num_batched_tokens` (`slot_cap`); else the token budget itself."""
-        if self.regime.regime is _OVERLOAD and self.slot_cap < self._budget:
+        if self._slot_capped():
             return min(int(self._budget), num_decodes + int(self.slot_cap))
         return int(self._budget)
+
+    def _slot_capped(self) -> bool:
+        """The learned prefill cap holds now: in OVERLOAD, and learned below the budget."""
+        return self.regime.regime is _OVERLOAD and self.slot_cap < self._budget
 
     def prefill_allowance(self, now: float, num_decodes: int, wanted: float = math.inf) -> float:
         """Prompt tokens the next step may hold beside `num_decodes` decodes (inf: no limit), of
@@ -112,8 +116,8 @@ class StepLimits:
         q = self.queues
         pressure = now - q.oldest_arrival_s() >= self._pressure_s
         allowance = self.chunk_allowance(num_decodes, pressure)
-        if self._slot_up > 1.0 and self.regime.regime is _OVERLOAD:
-            self._learn_slot_cap(allowance, wanted, now)
+        if self._slot_up > 1.0 and self.regime.regime is _OVERLOAD:  # slot_gain > 0: the cap is learned
+            self._learn_slot_cap(self.sizer, allowance, wanted, now)
         if self._defer and allowance < wanted:
             demand = min(wanted, self._prefill_cap, q.waiting_tokens + q.prefill_remaining)
             # Only a chunk that would not finish the oldest prompt is worth deferring: one that
@@ -124,14 +128,14 @@ class StepLimits:
                 return 0
         return allowance
 
-    def _learn_slot_cap(self, allowance: float, wanted: float, now: float) -> None:
+    def _learn_slot_cap(self, sizer: StepSizer, allowance: float, wanted: float, now: float) -> None:
         """One OVERLOAD step's verdict on the learned prefill cap: down when prompts wait with the
         batch at `max_batch_size` (the slots, not the allowance, hold them back) while the decode
         steps leave over half the aim unused and the load is at least `slot_min_load`; up when
         the allowance cut the prompts' tokens with a slot free (`step_sizing.slot_gain`)."""
-        q, sizer = self.queues, self.sizer
+        q = self.queues
         if q.num_running >= self._max_batch_size:
-            if q.waiting and sizer is not None and sizer.repay_s > _SLACK * sizer.aim_s and \
+            if q.waiting and sizer.repay_s > _SLACK * sizer.aim_s and \
                     self.load.overload(now)[0] >= self._slot_min_load:
                 self.slot_cap = max(_SLOT_CAP_FLOOR, self.slot_cap * self._slot_down)
         elif allowance < wanted and allowance < q.waiting_tokens + q.prefill_remaining:
