@@ -3,7 +3,9 @@
 Owns: `TtftPredictor`, the one prediction admission control, the regime detector, routing
 (through `UnitLoad`) and the metrics read, and its measured error. The prediction is
 
-    ttft = (batch_s + prefill_s + slot_s) x correction
+    ttft = (batch_s + max(prefill_s, slot_s + own_s)) x correction
+
+(`max(...)` is `prefill_s` when no slot wait is needed)
 
 - `batch_s`: what batch-class work in the step in flight adds before the next step can start
   (core/batch_lane.py, `BatchLane.delay_s`; 0 without the batch class): an additive wait that
@@ -24,6 +26,15 @@ Owns: `TtftPredictor`, the one prediction admission control, the regime detector
   finish: the caller's forecast from where each running request is in its output
   (core/departures.py, `DepartureForecast`), else at the measured completion rate (the capacity
   estimate before any finish);
+- `own_s`: the request's own prompt, prefilled from the moment its slot frees (the unit's
+  lone-prompt time, `UnitView.alone_prefill_s`). A waiting prompt starts when a slot frees and
+  the prompts ahead take theirs first, so the backlog ahead drains while the queue waits for the
+  new request's slot: the two waits overlap and the longer one rules. Their sum, the prediction
+  before, counted the overlap twice. On the profiled H200 8B unit at 3x the constant trace,
+  where nearly every admitted request waited for a slot, the sum was 1.38x the measured TTFT at
+  its median, the correction scaled every prediction down by one factor, and what admission
+  acted on spread p10/p50/p90 0.81/1.01/1.30; with the longer wait, 0.89/1.00/1.07
+  (benchmarks/RESULTS.md, "The slot wait overlaps the prefill backlog");
 - `correction`: the measured/predicted ratio of recent first tokens (`PredictionCorrection`),
   which absorbs what the simple queueing model misses (the step sizer throttling prefill,
   bursts of long prompts).
@@ -54,24 +65,27 @@ class TtftPredictor:
 
     def predict(self, now: float, backlog_tokens: int, num_decodes: int, slots_short: int, budget: int,
                 corrected: bool = True, batch_s: float = 0.0, decodes_after: int | None = None,
-                aim_s: float | None = None, defer: bool = True, slot_s: float | None = None) -> float:
-        """Seconds until `backlog_tokens` of prompts are computed (while the `num_decodes`
-        decodes grow to `decodes_after`, in steps of at most `budget` tokens and, with `aim_s`, no
-        longer than the step sizer's aim, on average with `defer`), plus the wait for a batch slot
-        when `slots_short` requests more than the free room must leave the running batch first
-        (`slot_s` when the caller forecast it, else at the departure rate), plus `batch_s`,
-        what batch-class work in the step in flight adds before the next step."""
+                aim_s: float | None = None, defer: bool = True, slot_s: float | None = None,
+                own_s: float = 0.0) -> float:
+        """`batch_s` (what batch-class work in the step in flight adds before the next step) plus
+        the longer of two waits that overlap: until `backlog_tokens` of prompts are computed
+        (while the `num_decodes` decodes grow to `decodes_after`, in steps of at most `budget`
+        tokens and, with `aim_s`, no longer than the step sizer's aim, on average with `defer`);
+        and, when `slots_short` requests more than the free room must leave the running batch
+        first, until they have (`slot_s` when the caller forecast it, else at the departure rate)
+        and then the request's own prefill `own_s`."""
         load = self.load
         after = num_decodes if decodes_after is None else decodes_after
         prefill_s = load.service.drain_time(backlog_tokens, num_decodes, after, budget, aim_s, defer)
         measured = load.prefill.rate(now)
         if measured is not None and backlog_tokens / measured > prefill_s:
             prefill_s = backlog_tokens / measured
-        if slots_short <= 0:
-            slot_s = 0.0
-        elif slot_s is None:
-            slot_s = slots_short / load.departure_rate(now)
-        return (batch_s + prefill_s + slot_s) * (load.ttft_correction.factor(now) if corrected else 1.0)
+        if slots_short > 0:
+            if slot_s is None:
+                slot_s = slots_short / load.departure_rate(now)
+            if slot_s + own_s > prefill_s:
+                prefill_s = slot_s + own_s
+        return (batch_s + prefill_s) * (load.ttft_correction.factor(now) if corrected else 1.0)
 
     def on_first_token(self, req: Request, now: float) -> None:
         """`req` got its first token at `now`: stamp it, with the prediction's error."""

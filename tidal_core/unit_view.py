@@ -77,7 +77,9 @@ class UnitView:
                                       self._max_tokens, corrected,
                                       self.lane.delay_s(now) if self.lane is not None else 0.0,
                                       after if after < cap else cap, sizer.aim_s if sizer is not None else None,
-                                      slot_s=self.departures.wait_s(now, slots_short) if slots_short > 0 else None)
+                                      slot_s=self.departures.wait_s(now, slots_short) if slots_short > 0 else None,
+                                      own_s=self.alone_prefill_s(own_prompt_tokens // own_requests)
+                                      if slots_short > 0 and own_requests else 0.0)
 
     def unit_state(self, now: float, req: Request, queue_delay_s: float | None = None) -> UnitState:
         """What admission sees for `req`; its predicted TTFT is the client's: time spent before the

@@ -86,3 +86,17 @@ def test_once_requests_finish_their_lengths_drive_the_forecast() -> None:
         s.load.on_finish(now, 12)  # what finished requests actually produced: 12 tokens each
     # the running requests are 5 tokens in and past no recorded length: 7 more steps
     assert s.predicted_queue_delay_s(now, corrected=False) == pytest.approx(7 * 0.01, rel=0.01)
+
+
+def test_the_backlog_ahead_drains_while_the_queue_waits_for_its_slot() -> None:
+    # The batch frees its slots in 0.25 s (30 tokens, 5 in); a 1,500-token prompt waits for one.
+    # Its prefill runs once a slot frees, beside the next request's wait for its own slot, so the
+    # next request's TTFT is that wait plus its own prefill, not the backlog's drain on top.
+    s, now = _cohort(30, 5)
+    assert s.add_request(Request("long", 1500, SamplingParams(max_tokens=8), now), now) is None
+    slot_s = (30 - 5) * 0.01
+    backlog_s = s.load.service.drain_time(1500 + 16, 4, 4, 512)
+    assert backlog_s > 0.1
+    predicted = s.predicted_queue_delay_s(now, 16, corrected=False)
+    assert predicted == pytest.approx(slot_s + s.view.alone_prefill_s(16), rel=0.02)
+    assert predicted < slot_s + backlog_s - 0.05

@@ -71,6 +71,17 @@ def test_a_full_batch_adds_the_wait_for_slots() -> None:
     assert p.predict(5.0, 0, 64, 3, 1000) == pytest.approx(3 / rate)
 
 
+def test_the_slot_wait_and_the_backlog_overlap() -> None:
+    # The prompts ahead prefill while the queue waits for slots: the longer wait rules, and the
+    # request's own prefill follows its slot.
+    p = _predictor()
+    backlog = p.predict(0.0, 8000, 64, 0, 1000)
+    assert p.predict(0.0, 8000, 64, 5, 1000, slot_s=0.01) == pytest.approx(backlog)  # slots free first
+    assert p.predict(0.0, 8000, 64, 5, 1000, slot_s=0.01, own_s=backlog) == pytest.approx(0.01 + backlog)
+    assert p.predict(0.0, 8000, 64, 5, 1000, slot_s=2.0, own_s=0.1) == pytest.approx(2.1)  # the slot rules
+    assert p.predict(0.0, 8000, 64, 0, 1000, slot_s=2.0, own_s=0.1) == pytest.approx(backlog)  # no slot short
+
+
 def test_the_error_is_kept_and_trains_the_correction() -> None:
     p = _predictor()
     assert p.observe(1.0, raw_predicted_s=0.5, predicted_s=0.5, measured_s=1.0) == pytest.approx(0.5)
