@@ -120,6 +120,8 @@ class StepLimits:
             self._learn_slot_cap(self.sizer, allowance, wanted, now)
         if self._defer and allowance < wanted:
             demand = min(wanted, self._prefill_cap, q.waiting_tokens + q.prefill_remaining)
+            if self._slot_capped():  # the learned cap holds the chunk, not the banks: nothing to bank for
+                demand = min(demand, self.slot_cap)
             # Only a chunk that would not finish the oldest prompt is worth deferring: one that
             # does gives that request its first token now.
             if allowance < demand and allowance < self._head_need() and \

@@ -105,10 +105,11 @@ def test_the_prefill_cap_bounds_the_sizer_allowance() -> None:
 NOW = 1.0
 
 
-def _slot_bound(max_batch_size: int, gain: float = 0.1, tail: float = 0.25, arrivals: int = 5000) -> StepLimits:
+def _slot_bound(max_batch_size: int, gain: float = 0.1, tail: float = 0.25, arrivals: int = 5000,
+                defer: bool = False) -> StepLimits:
     """Limits of a unit in OVERLOAD whose `max_batch_size` requests all run while "old" and one
     more prompt wait, `arrivals` requests having arrived in the last second."""
-    sizing = dataclasses.replace(SIZING, slot_gain=gain, slot_tail=tail, defer=False, pressure_fraction=10.0)
+    sizing = dataclasses.replace(SIZING, slot_gain=gain, slot_tail=tail, defer=defer, pressure_fraction=10.0)
     limits = _decoding(_limits(admission=TPOT, step_sizing=sizing, max_batch_size=max_batch_size))
     for i in range(max_batch_size):
         req = Request(f"run{i}", 100, SamplingParams(max_tokens=8), arrival_s=0.0)
@@ -171,6 +172,25 @@ def test_a_free_slot_and_a_cut_step_raise_the_prefill_cap_up_to_the_token_budget
     for _ in range(2000):
         limits.prefill_allowance(NOW, 1, wanted=4000)
     assert limits.slot_cap == 4096  # cut by the sizer's 790 tokens now: up to max_num_batched_tokens, no further
+
+
+def test_a_step_the_prefill_cap_holds_is_not_deferred() -> None:
+    # Deferring banks the decodes' time for a bigger chunk later; under the learned cap the next
+    # chunk is no bigger, so a decode-only step would only pay a step's fixed cost for nothing.
+    def unit(regime: Regime) -> StepLimits:
+        limits = _slot_bound(3, gain=0.0, defer=True)  # the deferral on, as shipped
+        limits.slot_cap = 300.0
+        for i in range(3):  # the slots are free
+            limits.queues.remove(limits.queues.prefilling[f"run{i}"], FinishReason.ABORT, 0.0)
+        limits.queues.enqueue(Request("long", 6000, SamplingParams(max_tokens=8), arrival_s=0.0))
+        limits.queues.waiting.rotate(1)  # the long prompt is the head
+        limits.regime.regime = regime
+        return limits
+
+    steady = unit(Regime.STEADY)
+    assert steady.prefill_allowance(NOW, 1, wanted=4000) == 0 and steady.deferred  # the banks grow the chunk
+    capped = unit(Regime.OVERLOAD)
+    assert capped.prefill_allowance(NOW, 1, wanted=4000) == 300 and not capped.deferred
 
 
 def test_without_slot_gain_the_prefill_cap_never_moves() -> None:
