@@ -3,9 +3,9 @@
 Owns: `TtftPredictor`, the one prediction admission control, the regime detector, routing
 (through `UnitLoad`) and the metrics read, and its measured error. The prediction is
 
-    ttft = (batch_s + max(prefill_s, slot_s + own_s)) x correction
+    ttft = c x batch_s + max(c x prefill_s, slot_s + c x own_s, first_slot_s + c x behind_s)
 
-(`max(...)` is `prefill_s` when no slot wait is needed)
+(the last two terms only when the request must wait for a slot; `c` is the correction)
 
 - `batch_s`: what batch-class work in the step in flight adds before the next step can start
   (core/batch_lane.py, `BatchLane.delay_s`; 0 without the batch class): an additive wait that
@@ -27,17 +27,28 @@ Owns: `TtftPredictor`, the one prediction admission control, the regime detector
   (core/departures.py, `DepartureForecast`), else at the measured completion rate (the capacity
   estimate before any finish);
 - `own_s`: the request's own prompt, prefilled from the moment its slot frees (the unit's
-  lone-prompt time, `UnitView.alone_prefill_s`). A waiting prompt starts when a slot frees and
-  the prompts ahead take theirs first, so the backlog ahead drains while the queue waits for the
-  new request's slot: the two waits overlap and the longer one rules. Their sum, the prediction
-  before, counted the overlap twice. On the profiled H200 8B unit at 3x the constant trace,
-  where nearly every admitted request waited for a slot, the sum was 1.38x the measured TTFT at
-  its median, the correction scaled every prediction down by one factor, and what admission
-  acted on spread p10/p50/p90 0.81/1.01/1.30; with the longer wait, 0.89/1.00/1.07
-  (benchmarks/RESULTS.md, "The slot wait overlaps the prefill backlog");
+  lone-prompt time, `UnitView.alone_prefill_s`);
+- `first_slot_s`, `behind_s`: when the first queued prompt short of a slot gets one, and the
+  share of `prefill_s` that is its prompt and those after it, the request's own included.
+  A waiting prompt starts when a slot frees, and prefill runs in queue order. So the request's
+  prompt is done at the latest of three times: the whole backlog drained; its own slot free,
+  then its prompt; the first slot-short prompt started, then everything from it on. (That is
+  the tandem queue's max over where the wait starts, at its two ends and the first slot.) When
+  the running requests leave one by one, the backlog drains while the queue waits and the first
+  two terms rule; when they leave together (a burst's young batch), every slot-short prompt
+  starts at once and the third term is the sum of the two waits. The prediction used to be that
+  sum always, which counted the overlap twice where departures spread. On the profiled H200 8B
+  unit at 3x the constant trace, where nearly every admitted request waited for a slot, the sum
+  was 1.38x the measured TTFT at its median, the correction scaled every prediction down by one
+  factor, and what admission acted on spread p10/p50/p90 0.81/1.01/1.30; without the overlap,
+  0.89/1.00/1.07 (benchmarks/RESULTS.md, "The slot wait overlaps the prefill backlog");
 - `correction`: the measured/predicted ratio of recent first tokens (`PredictionCorrection`),
   which absorbs what the simple queueing model misses (the step sizer throttling prefill,
-  bursts of long prompts).
+  bursts of long prompts). It scales the prefill times, not the slot waits: the slot forecast
+  is measured already (steps from the recorded output lengths, times the measured time per
+  output token), and a factor learned while prefill ruled misprices it. In a 2,000-request
+  burst into the simulated A100 unit, the factor learned at the burst's onset (0.87) took a
+  slot-ruled prediction of 1.15 s to 1.00 s, and that request got its first token after 1.04 s.
 
 `observe` feeds a finished prefill back: it trains the correction with the raw prediction
 and keeps the ratio predicted/measured (the corrected prediction admission acted on) so a
@@ -66,26 +77,46 @@ class TtftPredictor:
     def predict(self, now: float, backlog_tokens: int, num_decodes: int, slots_short: int, budget: int,
                 corrected: bool = True, batch_s: float = 0.0, decodes_after: int | None = None,
                 aim_s: float | None = None, defer: bool = True, slot_s: float | None = None,
-                own_s: float = 0.0) -> float:
-        """`batch_s` (what batch-class work in the step in flight adds before the next step) plus
-        the longer of two waits that overlap: until `backlog_tokens` of prompts are computed
-        (while the `num_decodes` decodes grow to `decodes_after`, in steps of at most `budget`
-        tokens and, with `aim_s`, no longer than the step sizer's aim, on average with `defer`);
-        and, when `slots_short` requests more than the free room must leave the running batch
-        first, until they have (`slot_s` when the caller forecast it, else at the departure rate)
-        and then the request's own prefill `own_s`."""
+                own_s: float = 0.0, first_slot_s: float | None = None, slot_tokens: int = 0) -> float:
+        """The corrected prediction, or with `corrected` False the raw one: see `predict_pair`."""
+        raw, fixed = self.predict_pair(now, backlog_tokens, num_decodes, slots_short, budget, batch_s, decodes_after,
+                                       aim_s, defer, slot_s, own_s, first_slot_s, slot_tokens)
+        return fixed if corrected else raw
+
+    def predict_pair(self, now: float, backlog_tokens: int, num_decodes: int, slots_short: int, budget: int,
+                     batch_s: float = 0.0, decodes_after: int | None = None, aim_s: float | None = None,
+                     defer: bool = True, slot_s: float | None = None, own_s: float = 0.0,
+                     first_slot_s: float | None = None, slot_tokens: int = 0) -> tuple[float, float]:
+        """(raw, corrected): `batch_s` (what batch-class work in the step in flight adds before
+        the next step) plus the longest of three waits that overlap:
+        - until `backlog_tokens` of prompts are computed (while the `num_decodes` decodes grow to
+          `decodes_after`, in steps of at most `budget` tokens and, with `aim_s`, no longer than
+          the step sizer's aim, on average with `defer`);
+        - when `slots_short` requests more than the free room must leave the running batch first:
+          until they have (`slot_s` when the caller forecast it, else at the departure rate), then
+          the request's own prefill `own_s`;
+        - until the first queued prompt short of a slot gets one (`first_slot_s`), then the
+          `slot_tokens` of the prompts from it on, the request's own included (their share of the
+          backlog's time).
+        The correction scales the prefill times, not the slot waits: it is learned mostly where
+        prefill rules, and the slot forecast is already measured (core/departures.py)."""
         load = self.load
         after = num_decodes if decodes_after is None else decodes_after
         prefill_s = load.service.drain_time(backlog_tokens, num_decodes, after, budget, aim_s, defer)
         measured = load.prefill.rate(now)
         if measured is not None and backlog_tokens / measured > prefill_s:
             prefill_s = backlog_tokens / measured
-        if slots_short > 0:
-            if slot_s is None:
-                slot_s = slots_short / load.departure_rate(now)
-            if slot_s + own_s > prefill_s:
-                prefill_s = slot_s + own_s
-        return (batch_s + prefill_s) * (load.ttft_correction.factor(now) if corrected else 1.0)
+        c = load.ttft_correction.factor(now)
+        if slots_short <= 0:
+            return batch_s + prefill_s, (batch_s + prefill_s) * c
+        if slot_s is None:
+            slot_s = slots_short / load.departure_rate(now)
+        first_s = behind_s = 0.0
+        if slot_tokens > 0 and backlog_tokens > 0:
+            first_s = slot_s / slots_short if first_slot_s is None else first_slot_s
+            behind_s = prefill_s * min(1.0, slot_tokens / backlog_tokens)
+        return (batch_s + max(prefill_s, slot_s + own_s, first_s + behind_s),
+                c * batch_s + max(c * prefill_s, slot_s + c * own_s, first_s + c * behind_s))
 
     def on_first_token(self, req: Request, now: float) -> None:
         """`req` got its first token at `now`: stamp it, with the prediction's error."""

@@ -136,8 +136,8 @@ class Scheduler:
         # With prefix caching the predictions see the uncached tokens only (peeked, nothing taken).
         own = self.q.arriving_uncached(req)
         self.load.on_arrival(now, own, req.sampling.max_tokens)
-        raw = self.view.predicted_queue_delay_s(now, own, corrected=False)
-        state = self.view.unit_state(now, req, raw * self.load.ttft_correction.factor(now))
+        raw, corrected = self.view.predicted_pair(now, own)
+        state = self.view.unit_state(now, req, corrected)
         rejection = self.admission.check_length(req) or self.admission.check(req, state, self.load)
         self.view.refusals.on_arrival(now, rejection is not None and rejection.retryable)
         if rejection is not None:

@@ -61,6 +61,11 @@ class UnitView:
         would finish it, i.e. its predicted TTFT). See core/predictor.py. With `own_requests` > 1
         the tokens arrive as that many requests (the last one's TTFT: a burst's price, which a
         front end reads from the snapshot, core/front_admission.py)."""
+        raw, fixed = self.predicted_pair(now, own_prompt_tokens, own_requests)
+        return fixed if corrected else raw
+
+    def predicted_pair(self, now: float, own_prompt_tokens: int = 0, own_requests: int = 1) -> tuple[float, float]:
+        """`predicted_queue_delay_s` raw and corrected, from one evaluation."""
         q, limits = self.queues, self.limits
         n_dec = len(q.decodes.reqs)
         own_requests = own_requests if own_prompt_tokens else 0
@@ -73,13 +78,19 @@ class UnitView:
         after = n_dec + len(q.waiting) + len(q.prefilling) + own_requests
         cap = limits.running_cap if limits.running_cap > n_dec else n_dec
         sizer = limits.sizer
-        return self.predictor.predict(now, self.backlog_prefill_tokens() + own_prompt_tokens, n_dec, slots_short,
-                                      self._max_tokens, corrected,
-                                      self.lane.delay_s(now) if self.lane is not None else 0.0,
-                                      after if after < cap else cap, sizer.aim_s if sizer is not None else None,
-                                      slot_s=self.departures.wait_s(now, slots_short) if slots_short > 0 else None,
-                                      own_s=self.alone_prefill_s(own_prompt_tokens // own_requests)
-                                      if slots_short > 0 and own_requests else 0.0)
+        slot_s = first_slot_s = None
+        own_s, slot_tokens = 0.0, 0
+        if slots_short > 0:  # the wait for a slot: its own (the last), and the first queued prompt's
+            slot_s = self.departures.wait_s(now, slots_short)
+            first_slot_s = self.departures.wait_s(now, 1) if slots_short > 1 else slot_s
+            own_s = self.alone_prefill_s(own_prompt_tokens // own_requests) if own_requests else 0.0
+            queued = min(len(q.waiting), slots_short - max(1, own_requests))  # the queued prompts short of a slot
+            slot_tokens = own_prompt_tokens + (q.waiting_tokens * queued // len(q.waiting) if queued > 0 else 0)
+        return self.predictor.predict_pair(now, self.backlog_prefill_tokens() + own_prompt_tokens, n_dec, slots_short,
+                                           self._max_tokens, self.lane.delay_s(now) if self.lane is not None else 0.0,
+                                           after if after < cap else cap, sizer.aim_s if sizer is not None else None,
+                                           slot_s=slot_s, own_s=own_s, first_slot_s=first_slot_s,
+                                           slot_tokens=slot_tokens)
 
     def unit_state(self, now: float, req: Request, queue_delay_s: float | None = None) -> UnitState:
         """What admission sees for `req`; its predicted TTFT is the client's: time spent before the

@@ -51,16 +51,17 @@ def test_a_young_batch_waits_for_the_shortest_recorded_output() -> None:
     assert steps_until(1, [500], lengths) == 1  # past every recorded length: about to leave
 
 
-def _cohort(max_tokens: int, steps: int) -> tuple[Scheduler, float]:
+def _cohort(max_tokens: int | list[int], steps: int) -> tuple[Scheduler, float]:
     """A unit whose running cap (4) is held by four requests that arrived together, `steps`
-    steps ago; no request has finished yet."""
+    steps ago (each with its `max_tokens`, or all with one); no request has finished yet."""
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * 4
     cfg = preset("adaptive", SchedulerConfig(max_batch_size=4, max_num_batched_tokens=512, num_kv_blocks=512,
                                              block_size=16, max_model_len=2048,
                                              service_prior=ServicePrior(0.005, 0.0001, 0.0002)),
                  admission=AdmissionConfig(target_ttft_s=1.0))
     s, ex, now = Scheduler(cfg), FakeExecutor(time_fn=lambda plan: 0.01), 0.0
     for i in range(4):
-        assert s.add_request(Request(f"r{i}", 32, SamplingParams(max_tokens=max_tokens, ignore_eos=True), now),
+        assert s.add_request(Request(f"r{i}", 32, SamplingParams(max_tokens=lengths[i], ignore_eos=True), now),
                              now) is None
     for _ in range(steps):
         d = s.schedule(now)
@@ -89,14 +90,22 @@ def test_once_requests_finish_their_lengths_drive_the_forecast() -> None:
 
 
 def test_the_backlog_ahead_drains_while_the_queue_waits_for_its_slot() -> None:
-    # The batch frees its slots in 0.25 s (30 tokens, 5 in); a 1,500-token prompt waits for one.
-    # Its prefill runs once a slot frees, beside the next request's wait for its own slot, so the
-    # next request's TTFT is that wait plus its own prefill, not the backlog's drain on top.
+    # One running request leaves in 0.05 s (10 tokens, 5 in), the others in 1.95 s. A 1,500-token
+    # prompt takes the first slot and prefills while the next request waits for the second: that
+    # request's TTFT is its own slot's wait plus its own prefill, not the backlog's drain on top.
+    s, now = _cohort([10, 200, 200, 200], 5)
+    assert s.add_request(Request("long", 1500, SamplingParams(max_tokens=8), now), now) is None
+    backlog_s = s.load.service.drain_time(1500 + 16, 4, 4, 512)
+    assert 0.1 < backlog_s < 1.9
+    predicted = s.predicted_queue_delay_s(now, 16, corrected=False)
+    assert predicted == pytest.approx(1.95 + s.view.alone_prefill_s(16), rel=0.02)
+    assert predicted < 1.95 + backlog_s - 0.05
+
+
+def test_behind_a_batch_that_leaves_at_once_the_backlog_drains_after_the_slots_free() -> None:
+    # All four leave in 0.25 s: the 1,500-token prompt and the next request start together then,
+    # and the next one's prompt is prefilled behind the long one.
     s, now = _cohort(30, 5)
     assert s.add_request(Request("long", 1500, SamplingParams(max_tokens=8), now), now) is None
-    slot_s = (30 - 5) * 0.01
     backlog_s = s.load.service.drain_time(1500 + 16, 4, 4, 512)
-    assert backlog_s > 0.1
-    predicted = s.predicted_queue_delay_s(now, 16, corrected=False)
-    assert predicted == pytest.approx(slot_s + s.view.alone_prefill_s(16), rel=0.02)
-    assert predicted < slot_s + backlog_s - 0.05
+    assert s.predicted_queue_delay_s(now, 16, corrected=False) == pytest.approx(0.25 + backlog_s, rel=0.02)

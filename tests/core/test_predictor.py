@@ -82,6 +82,26 @@ def test_the_slot_wait_and_the_backlog_overlap() -> None:
     assert p.predict(0.0, 8000, 64, 0, 1000, slot_s=2.0, own_s=0.1) == pytest.approx(backlog)  # no slot short
 
 
+def test_prompts_short_of_a_slot_prefill_after_the_first_frees() -> None:
+    # The first queued prompt short of a slot starts at 1 s; the 6,000 tokens from it on (of the
+    # 8,000) prefill behind it, past the new request's own slot at 1.2 s.
+    p = _predictor()
+    backlog = p.predict(0.0, 8000, 64, 0, 1000)
+    assert p.predict(0.0, 8000, 64, 5, 1000, slot_s=1.2, own_s=0.05, first_slot_s=1.0, slot_tokens=6000) == \
+        pytest.approx(1.0 + 0.75 * backlog)
+    assert p.predict(0.0, 8000, 64, 5, 1000, slot_s=1.2, own_s=0.05, first_slot_s=0.01, slot_tokens=6000) == \
+        pytest.approx(max(backlog, 1.25))  # slots free early: the backlog or the own slot rules
+
+
+def test_the_correction_scales_the_prefill_not_the_slot_wait() -> None:
+    p = _predictor()
+    for _ in range(200):  # the model keeps predicting half of what is measured
+        p.observe(1.0, 0.5, 0.5, 1.0)
+    raw, corrected = p.predict_pair(1.0, 1000, 64, 3, 1000, slot_s=2.0, own_s=0.1)
+    assert raw == pytest.approx(2.1)
+    assert corrected == pytest.approx(2.0 + 0.1 * p.load.ttft_correction.factor(1.0))
+
+
 def test_the_error_is_kept_and_trains_the_correction() -> None:
     p = _predictor()
     assert p.observe(1.0, raw_predicted_s=0.5, predicted_s=0.5, measured_s=1.0) == pytest.approx(0.5)
