@@ -40,8 +40,8 @@ Owns: `TtftPredictor`, the one prediction admission control, the regime detector
   sum always, which counted the overlap twice where departures spread. On the profiled H200 8B
   unit at 3x the constant trace, where nearly every admitted request waited for a slot, the sum
   was 1.38x the measured TTFT at its median, the correction scaled every prediction down by one
-  factor, and what admission acted on spread p10/p50/p90 0.81/1.01/1.30; without the overlap,
-  0.89/1.00/1.07 (benchmarks/RESULTS.md, "The slot wait overlaps the prefill backlog");
+  factor, and what admission acted on spread p10/p50/p90 0.81/1.01/1.30; now 0.90/1.00/1.05
+  (benchmarks/RESULTS.md, "The slot wait overlaps the prefill backlog");
 - `correction`: the measured/predicted ratio of recent first tokens (`PredictionCorrection`),
   which absorbs what the simple queueing model misses (the step sizer throttling prefill,
   bursts of long prompts). It scales the prefill times, not the slot waits: the slot forecast
@@ -95,9 +95,9 @@ class TtftPredictor:
         - when `slots_short` requests more than the free room must leave the running batch first:
           until they have (`slot_s` when the caller forecast it, else at the departure rate), then
           the request's own prefill `own_s`;
-        - until the first queued prompt short of a slot gets one (`first_slot_s`), then the
-          `slot_tokens` of the prompts from it on, the request's own included (their share of the
-          backlog's time).
+        - until the first queued prompt short of a slot gets one (`first_slot_s`, else the slot
+          wait spread evenly: `slot_s` / `slots_short`), then the `slot_tokens` of the prompts
+          from it on, the request's own included (their share of the backlog's time).
         The correction scales the prefill times, not the slot waits: it is learned mostly where
         prefill rules, and the slot forecast is already measured (core/departures.py)."""
         load = self.load
