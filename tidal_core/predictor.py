@@ -95,9 +95,9 @@ class TtftPredictor:
         - when `slots_short` requests more than the free room must leave the running batch first:
           until they have (`slot_s` when the caller forecast it, else at the departure rate), then
           the request's own prefill `own_s`;
-        - until the first queued prompt short of a slot gets one (`first_slot_s`, else the slot
-          wait spread evenly: `slot_s` / `slots_short`), then the `slot_tokens` of the prompts
-          from it on, the request's own included (their share of the backlog's time).
+        - with `first_slot_s`: until the first queued prompt short of a slot gets one, then the
+          `slot_tokens` of the prompts from it on, the request's own included (their share of the
+          backlog's time).
         The correction scales the prefill times, not the slot waits: it is learned mostly where
         prefill rules, and the slot forecast is already measured (core/departures.py)."""
         load = self.load
@@ -112,9 +112,8 @@ class TtftPredictor:
         if slot_s is None:
             slot_s = slots_short / load.departure_rate(now)
         first_s = behind_s = 0.0
-        if slot_tokens > 0 and backlog_tokens > 0:
-            first_s = slot_s / slots_short if first_slot_s is None else first_slot_s
-            behind_s = prefill_s * min(1.0, slot_tokens / backlog_tokens)
+        if first_slot_s is not None and slot_tokens > 0 and backlog_tokens > 0:
+            first_s, behind_s = first_slot_s, prefill_s * min(1.0, slot_tokens / backlog_tokens)
         return (batch_s + max(prefill_s, slot_s + own_s, first_s + behind_s),
                 c * batch_s + max(c * prefill_s, slot_s + c * own_s, first_s + c * behind_s))
 
