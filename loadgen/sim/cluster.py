@@ -77,6 +77,10 @@ class Fleet:
                 self._prefix_choice = (int(uid), router.last_cached_tokens)
         return self.units[int(uid)] if uid is not None else None
 
+    def capacity_rps(self) -> float:
+        """The serving units' measured capacity together: what Serve's door spreads retries over."""
+        return sum(u.sched.load.capacity_rps() for u in self._serving)
+
     def on_refused(self, unit: Unit, hashes: Sequence[int]) -> None:
         """`unit`, just routed a prompt of `hashes`, refused it: the cache-aware router forgets it
         (`PrefixAwareRouter.refused`; the unit never computed it)."""

@@ -7,6 +7,14 @@ requests), retries sent, retries admitted, and how many of those waited the serv
 `Retry-After` rather than the client's own backoff. The rules are `loadgen.retry_policy.RetryPolicy`
 (the openai client's: two retries, `Retry-After` honoured as sent, backoff with jitter otherwise).
 
+The `Retry-After` a refused client gets is what Serve's front door sends: every 429's retry-after
+is spread over the units' measured capacity (`tidal_core.RetrySpread`, as serve_app/front_gate.py
+does for each 429, whoever decided it), to the millisecond (`retry-after-ms`, which the openai
+client reads first). Refusal k of a burst is told to come back about k / capacity later, so the
+retries of a burst return in a stream the units can take, not as one wave a second later (what
+the unit's own estimate, rounded up to whole seconds, would say to most of them). A 503 (no unit
+could take the request) carries Serve's fixed `NO_UNIT_RETRY_AFTER_S`, not spread.
+
 The simulation measures TTFT and E2E from the send of the attempt that got in (what the server
 sees, and what Serve's metrics measure); `client_outcomes` gives the same requests timed from the
 first send, as the person behind the client waits. Same trace, seed and policy: same result.
@@ -28,16 +36,18 @@ from loadgen.records import Trace
 from loadgen.report import RunOutcomes
 from loadgen.retry_policy import RetryPolicy, retry_after_header_s
 from tidal_core import Rejection
+from tidal_core.retry_spread import RetrySpread
 
 # In Serve, a request no unit can take (all provisioning or draining) is a 503 with this Retry-After.
 NO_UNIT_RETRY_AFTER_S = 5.0
 
 
 class RetryingClients:
-    def __init__(self, policy: RetryPolicy, trace: Trace, seed: int = 0) -> None:
+    def __init__(self, policy: RetryPolicy, trace: Trace, seed: int = 0, max_retry_after_s: float = 60.0) -> None:
         n = len(trace)
         self.policy = policy
         self.rng = random.Random(seed * 7919 + 17)
+        self.spread = RetrySpread(max_retry_after_s)  # the front door's (admission.max_retry_after_s)
         self.first_s = trace.arrival_s.astype(np.float64)
         self.sent_s = self.first_s.copy()  # send time of each request's latest attempt
         self.attempts = np.ones(n, np.int32)
@@ -62,14 +72,16 @@ class RetryingClients:
         self._count(int(self.attempts[i]), "sent")
         return t, i
 
-    def on_rejected(self, i: int, now: float, rejection: Rejection | None) -> None:
-        """Request `i` was refused at `now` (`rejection` None: no unit could take it, a 503)."""
+    def on_rejected(self, i: int, now: float, rejection: Rejection | None, capacity_rps: float = 0.0) -> None:
+        """Request `i` was refused at `now` (`rejection` None: no unit could take it, a 503);
+        `capacity_rps` is the serving units' measured capacity together, which the door spreads
+        the retries over (0: the unit's own estimate, in whole seconds)."""
         if self.attempts[i] > 1:
             self.counters["rejected_again"] += 1
         if rejection is not None and not rejection.retryable:
             self.counters["not_retryable"] += 1  # a 400: the client does not retry it
             return
-        header = retry_after_header_s(rejection.retry_after_s if rejection is not None else NO_UNIT_RETRY_AFTER_S)
+        header = self.retry_after_s(now, rejection, capacity_rps)
         delay = self.policy.delay_s(int(self.attempts[i]) - 1, header, self.rng)
         if delay is None:
             self.counters["gave_up"] += int(self.policy.max_retries > 0)  # out of retries, or Retry-After > 120 s
@@ -77,6 +89,17 @@ class RetryingClients:
         self._at_retry_after[i] = self.policy.honours_retry_after(header)
         self._seq += 1
         heapq.heappush(self._heap, (now + delay, self._seq, i))
+
+    def retry_after_s(self, now: float, rejection: Rejection | None, capacity_rps: float) -> float:
+        """The delay the refused client is told: spread like Serve's door does (`retry-after-ms`),
+        or, without a measured capacity, the unit's estimate as `Retry-After` (whole seconds)."""
+        if rejection is None:
+            return retry_after_header_s(NO_UNIT_RETRY_AFTER_S)
+        if not capacity_rps > 0.0 or not math.isfinite(capacity_rps):
+            return retry_after_header_s(rejection.retry_after_s)
+        base = rejection.retry_after_s if math.isfinite(rejection.retry_after_s) else 1.0  # the default minimum
+        delay = self.spread.delay_s(now, base, capacity_rps, self.rng.random())
+        return max(1, round(delay * 1000)) / 1000.0
 
     def on_admitted(self, i: int) -> None:
         attempt = int(self.attempts[i])

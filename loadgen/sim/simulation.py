@@ -88,7 +88,10 @@ class Simulation:
         self.heap: list[tuple[float, int, int, int]] = []  # (time, seq, unit id, unit token)
         self._seq = itertools.count(1)
         self._regime_of: dict[int, str] = {}
-        self.retries = RetryingClients(config.retries, trace, config.seed) if config.retries is not None else None
+        self.retries = None
+        if config.retries is not None:  # the door's spread of Retry-After stops at the longest, as in Serve
+            self.retries = RetryingClients(config.retries, trace, config.seed,
+                                           config.scheduler.admission.max_retry_after_s)
         # Block hashes for the prefix cache and the cache-aware router, from the trace's prefix ids.
         self.prefix = PrefixBlocks(trace, config.scheduler.block_size)
         self._hashing = self.prefix.enabled and (config.scheduler.enable_prefix_caching or config.routing == "prefix")
@@ -145,7 +148,7 @@ class Simulation:
                 self.fleet.on_refused(unit, hashes)
             self.rec.status[i] = REJECTED
             if self.retries is not None:
-                self.retries.on_rejected(i, now, rejection)
+                self.retries.on_rejected(i, now, rejection, self.fleet.capacity_rps())
             return
         if self.retries is not None:
             self.retries.on_admitted(i)
