@@ -73,7 +73,7 @@ from serve_app.openai.errors import OpenAIError
 from serve_app.openai.http_limits import DEFAULT_MAX_BODY_BYTES, JSON_ENDPOINTS, error_response
 from tidal_core import AdmissionConfig, UnitLoad
 from tidal_core.front_admission import FrontAdmission, FrontRefusal, OnTheWay, PathModel, PromptSizeModel, Sighting
-from tidal_core.retry_spread import RetrySpread
+from tidal_core.retry_spread import RetrySpread, retry_after_ms
 from tidal_core.service_class import ServiceClass
 
 logger = logging.getLogger(__name__)
@@ -318,7 +318,7 @@ class FrontGate:
         """`Retry-After` in whole seconds (HTTP's form, rounded up) and `retry-after-ms` (read first by
         the OpenAI clients), both from the one spread delay."""
         delay = self.retry_after_s(base_s)
-        return {"Retry-After": str(max(1, math.ceil(delay))), "retry-after-ms": str(max(1, round(delay * 1000)))}
+        return {"Retry-After": str(max(1, math.ceil(delay))), "retry-after-ms": str(retry_after_ms(delay))}
 
 
 def _rate_limited(verdict: FrontRefusal) -> OpenAIError:

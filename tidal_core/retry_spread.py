@@ -1,8 +1,9 @@
 """Spreading the retries of refused requests, so the second wave of a burst does not arrive as one.
 
-Owns: `RetrySpread.delay_s`. Clients honour `Retry-After` (the official OpenAI client retries a
-429 twice, sleeping exactly what the server says); if every refusal of a burst says "1 s", the
-whole burst comes back one second later, and again. Instead each refusal is given the next free
+Owns: `RetrySpread.delay_s` and `retry_after_ms` (the delay as the `retry-after-ms` header sends
+it). Clients honour `Retry-After` (the official OpenAI client retries a 429 twice, sleeping
+exactly what the server says); if every refusal of a burst says "1 s", the whole burst comes back
+one second later, and again. Instead each refusal is given the next free
 *retry slot*: slots are `1 / capacity_rps` apart (the rate the units can take new requests),
 starting no earlier than the refusal's own estimate (`base_s`, the time until the unit would
 admit again), with a jitter inside the slot so two front ends do not line up. Refusal k of a
@@ -20,6 +21,12 @@ Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall cl
 from __future__ import annotations
 
 import math
+
+
+def retry_after_ms(delay_s: float) -> int:
+    """`delay_s` as the `retry-after-ms` header carries it (which the OpenAI clients read first):
+    whole milliseconds, at least 1. Serve's front door sends it; the simulator's clients wait it."""
+    return max(1, round(delay_s * 1000))
 
 
 class RetrySpread:

@@ -36,7 +36,7 @@ from loadgen.records import Trace
 from loadgen.report import RunOutcomes
 from loadgen.retry_policy import RetryPolicy, retry_after_header_s
 from tidal_core import Rejection
-from tidal_core.retry_spread import RetrySpread
+from tidal_core.retry_spread import RetrySpread, retry_after_ms
 
 # In Serve, a request no unit can take (all provisioning or draining) is a 503 with this Retry-After.
 NO_UNIT_RETRY_AFTER_S = 5.0
@@ -97,9 +97,8 @@ class RetryingClients:
             return retry_after_header_s(NO_UNIT_RETRY_AFTER_S)
         if not capacity_rps > 0.0 or not math.isfinite(capacity_rps):
             return retry_after_header_s(rejection.retry_after_s)
-        base = rejection.retry_after_s if math.isfinite(rejection.retry_after_s) else 1.0  # the default minimum
-        delay = self.spread.delay_s(now, base, capacity_rps, self.rng.random())
-        return max(1, round(delay * 1000)) / 1000.0
+        delay = self.spread.delay_s(now, rejection.retry_after_s, capacity_rps, self.rng.random())
+        return retry_after_ms(delay) / 1000.0
 
     def on_admitted(self, i: int) -> None:
         attempt = int(self.attempts[i])
