@@ -16,6 +16,9 @@ in, as `overload.py` times it), and their TTFT p50 / p99 / max. Run it in two tr
     python benchmarks/sim_burst.py --burst 2000:10
     python benchmarks/sim_burst.py --burst 400:2 --lengths azure-conv --cost-model h100-llama70b-tp8
     python benchmarks/sim_burst.py --burst 400:2 --retries 2
+    python benchmarks/sim_burst.py --burst 400:2 --retries 2 --set admission.aim_tail=0.01
+
+`--set KEY=VALUE` (repeatable) overrides a scheduler setting, as `tidal simulate --set` does.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tpot", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--retries", type=int, default=0, help="the clients' max_retries (the openai client's 2; 0: none)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a scheduler setting (repeatable)")
     args = p.parse_args(argv)
 
     bursts = ([_shape(args.warmup)] if args.warmup else []) + [_shape(args.burst)]
@@ -76,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                   duration_s=start)
     cost = CostModel.load(args.cost_model)
     retries = RetryPolicy(max_retries=args.retries) if args.retries > 0 else None
-    spec = RunSpec(trace, unit_config(cost), cost, Slo(args.ttft, args.tpot), retries=retries)
+    overrides = dict(item.split("=", 1) for item in args.set)
+    spec = RunSpec(trace, unit_config(cost), cost, Slo(args.ttft, args.tpot), overrides=overrides, retries=retries)
     run = simulate(trace, sim_config(spec, "adaptive"))
     out = run.outcomes
     for (first, n), (bn, seconds) in zip(spans, bursts, strict=True):
