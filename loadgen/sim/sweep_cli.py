@@ -7,7 +7,8 @@ and the plots from whatever cells exist, with the cells still missing listed. `-
 runs only that family's variants on the cells already written and puts them in place of the
 stored ones, the other variants kept: after a change to the adaptive policy the baselines,
 which do not run its step sizer, need not be simulated again (a day on the H200 8B unit: 29
-variants, 9 minutes).
+variants, 9 minutes). `--seqs` (default 16 32 64) adds the `sarathi-seqs` family, `sarathi`'s
+budgets at each of those batch caps, the second knob a vLLM user tunes (`--no-seqs`: without it).
 
 Must not import serve_app, actors, ray or torch.
 """
@@ -37,6 +38,8 @@ def _families(args: argparse.Namespace) -> tuple[list[m.Family], list[str]]:
     if args.caps:
         families = [m.Family(f.name, f.preset, f.knob, tuple(args.caps)) if f.knob and "requests" in f.knob
                     else f for f in families]
+    if args.seqs and not args.no_seqs:
+        families.append(m.capped_family(tuple(args.budgets or m.BUDGETS), tuple(args.seqs)))
     return families, missing
 
 
@@ -69,6 +72,11 @@ def _variants(job: Job) -> int:
 
 def _grid(families: list[m.Family], knob: str) -> tuple[int, ...]:
     return next((f.values for f in families if f.knob == knob), ())
+
+
+def _seqs_note(families: list[m.Family]) -> str:
+    capped = next((f for f in families if f.seqs), None)
+    return f"; batch caps {capped.seqs} for {capped.name}" if capped else ""
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -131,6 +139,7 @@ def run_sweep(args: argparse.Namespace) -> int:
               f"Retrying clients: {'openai rules, max_retries ' + str(args.retries) if retries else 'off'}. "
               f"Grids: token budget {_grid(families, 'max_num_batched_tokens')}, "
               f"caps {_grid(families, 'admission.max_concurrent_requests')}"
+              f"{_seqs_note(families)}"
               f"{'; presets missing in this core: ' + ', '.join(missing) if missing else ''}.\n")
     md = report_markdown(results, slos, header)
     (out / "sweep.md").write_text(md)
@@ -158,6 +167,10 @@ def register(sub: Any) -> None:
     p.add_argument("--day-minutes", type=float, default=2.5, help="minutes each hour of a synthetic day lasts")
     p.add_argument("--budgets", type=int, nargs="+", help=f"token-budget grid (default {m.BUDGETS})")
     p.add_argument("--caps", type=int, nargs="+", help=f"queue-cap grid (default {m.CAPS})")
+    p.add_argument("--seqs", type=int, nargs="+", metavar="CAP", default=list(m.SEQS),
+                   help=f"the {m.CAPPED} family: sarathi's token budgets at each of these batch caps "
+                        f"(max_batch_size, vLLM's max_num_seqs; default {' '.join(map(str, m.SEQS))})")
+    p.add_argument("--no-seqs", action="store_true", help=f"no {m.CAPPED} family: one knob per baseline")
     p.add_argument("--retries", type=int, default=2, help="client max_retries (openai default 2; 0: none)")
     p.add_argument("--no-ablations", action="store_true")
     p.add_argument("--ablation-rates", type=float, nargs="+", default=[1.0], help="rates whose cells run ablations")

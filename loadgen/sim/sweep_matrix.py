@@ -1,7 +1,8 @@
 """What `tidal sweep` runs: the matrix of traffic x GPU x SLO, and each baseline's knob grid.
 
-Owns: `Family` (a policy preset and the one knob the sweep varies, with its grid), `FAMILIES`
-and `ablations()` (the policies compared), `Cell` (one trace x rate x GPU) with `cell_trace`
+Owns: `Family` (a policy preset and the knob the sweep varies, with its grid; optionally a
+second grid of batch caps), `FAMILIES`, `capped_family` (`tidal sweep --seqs`) and `ablations()`
+(the policies compared), `Cell` (one trace x rate x GPU) with `cell_trace`
 (the traffic it replays), `SLOS` and the default axes. Nothing here runs a simulation
 (loadgen/sim/sweep_run.py does).
 
@@ -35,6 +36,9 @@ from tidal_core import POLICIES, SchedulerConfig
 
 BUDGETS = (128, 256, 512, 1024, 2048, 4096)
 CAPS = (8, 16, 32, 64, 128, 256, 512, 1024)
+# The second knob a vLLM user tunes beside the token budget (`max_num_seqs`): `tidal sweep --seqs`.
+SEQS = (16, 32, 64)
+CAPPED = "sarathi-seqs"
 REAL_TRACES = ("azure-code", "azure-conv", "mooncake-conv")
 DAYS = {"sharp-day-conv": ("sharp", "azure-conv"), "sharp-day-code": ("sharp", "azure-code"),
         "servegen-day-conv": ("servegen", "azure-conv")}
@@ -48,18 +52,31 @@ DAY_PEAK_LOAD = 1.3
 
 @dataclass(frozen=True)
 class Family:
-    """A policy preset and the knob the sweep varies (`knob` None: the policy as shipped)."""
+    """A policy preset and the knob the sweep varies (`knob` None: the policy as shipped); with
+    `seqs`, every grid value also at each of those batch caps (`max_batch_size`)."""
 
     name: str
     preset: str
     knob: str | None = None
     values: tuple[int, ...] = ()
+    seqs: tuple[int, ...] = ()
 
     def variants(self) -> list[tuple[str, dict[str, str]]]:
-        """(label, `--set` overrides) per grid value; the preset as shipped when it has no knob."""
+        """(label, `--set` overrides) per grid value (`name@value`, or `name@value/cap` with `seqs`);
+        the preset as shipped when it has no knob."""
         if self.knob is None:
             return [(self.name, {})]
+        if self.seqs:
+            return [(f"{self.name}@{v}/{c}", {self.knob: str(v), "max_batch_size": str(c)})
+                    for v in self.values for c in self.seqs]
         return [(f"{self.name}@{v}", {self.knob: str(v)}) for v in self.values]
+
+
+def capped_family(budgets: tuple[int, ...] = BUDGETS, seqs: tuple[int, ...] = SEQS) -> Family:
+    """`sarathi` with both knobs a vLLM user tunes: each token budget at each batch cap. Under a
+    tight TPOT target the batch cap of 128 lets no budget hold it on a slow GPU, and the best of
+    the one-knob grid is then a concurrency cap without SLO admission (docs/day-in-the-life.md §1)."""
+    return Family(CAPPED, "sarathi", "max_num_batched_tokens", budgets, seqs)
 
 
 FAMILIES = (

@@ -19,7 +19,7 @@ from loadgen.report import markdown_table
 from loadgen.sim.sweep_matrix import SLOS
 from loadgen.sim.sweep_run import best_of
 
-BASELINES = ("vllm", "sarathi", "tgi", "ray-serve")
+BASELINES = ("vllm", "sarathi", "sarathi-seqs", "tgi", "ray-serve")  # sarathi-seqs: with --seqs
 GOAL = 0.98
 
 
@@ -58,7 +58,9 @@ def headline_rows(results: Sequence[dict[str, Any]], slo: str) -> list[dict[str,
         row = {**_cell_label(res), "adaptive": a["goodput_rps"], "adaptive_tpot_p99_ms": a["tpot_p99_ms"]}
         for fam in BASELINES:
             b = best_of(res["variants"], fam, slo)
-            row[fam] = None if b is None else f"{b[1]['slo'][slo]['goodput_rps']:.3g} @{b[1]['value']}"
+            if b is not None:  # a family this sweep did not run has no column
+                cap = b[1].get("max_batch_size")
+                row[fam] = f"{b[1]['slo'][slo]['goodput_rps']:.3g} @{b[1]['value']}{'' if cap is None else f'/{cap}'}"
         best = best_fixed(res, slo)
         if best is not None:
             g = best[1]["slo"][slo]
@@ -70,6 +72,11 @@ def headline_rows(results: Sequence[dict[str, Any]], slo: str) -> list[dict[str,
 
 HEADLINE_COLUMNS = ("trace", "rate", "gpu", "adaptive", *BASELINES, "best", "ratio", "adaptive_tpot_p99_ms",
                     "best_tpot_p99_ms")
+
+
+def headline_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """`HEADLINE_COLUMNS` less the baseline families no row has (those the sweep did not run)."""
+    return [c for c in HEADLINE_COLUMNS if c not in BASELINES or any(c in r for r in rows)]
 
 
 def ratio_pivot(results: Sequence[dict[str, Any]], slo: str, key: str = "ratio") -> list[dict[str, Any]]:
@@ -215,7 +222,7 @@ def report_markdown(results: Sequence[dict[str, Any]], slos: dict[str, Any], hea
                      "Goodput (req/s of original requests served within the SLO). A baseline's cell is its best "
                      "grid value with hindsight (goodput @ knob); `best` is the best fixed configuration of all; "
                      f"`ratio` = adaptive / best.\n\n{_summary_line(rows)}\n"
-                     f"{markdown_table(rows, HEADLINE_COLUMNS)}")
+                     f"{markdown_table(rows, headline_columns(rows))}")
         pivot = ratio_pivot(results, name)
         parts.append(f"Adaptive / hindsight-best fixed, by trace and GPU x rate (SLO {name}):\n\n"
                      f"{markdown_table(pivot, pivot_columns(pivot))}")

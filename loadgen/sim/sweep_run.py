@@ -37,13 +37,15 @@ def variant_config(family: Family, overrides: dict[str, str], base: SchedulerCon
     """As `tidal simulate --policy P --set k=v` builds it: preset, overrides, then the SLO's
     targets for a policy with admission control (the same rule as loadgen.sim.runner.run_policy).
 
-    A token budget below the preset's batch cap lowers the cap to it, as vLLM requires
-    (`max_num_seqs <= max_num_batched_tokens`) of a user who sets a small budget.
+    A token budget below the batch cap (the preset's, or the one `overrides` sets) lowers the cap
+    to it, as vLLM requires (`max_num_seqs <= max_num_batched_tokens`) of a user who sets a small
+    budget.
     """
     cfg = preset(family.preset, base)
     budget = overrides.get("max_num_batched_tokens")
-    if budget is not None and int(budget) < cfg.max_batch_size:
-        overrides = {"max_batch_size": budget, **overrides}
+    cap = int(overrides.get("max_batch_size", cfg.max_batch_size))  # the preset's, or the second knob's
+    if budget is not None and int(budget) < cap:
+        overrides = {**overrides, "max_batch_size": budget}
     cfg = apply_overrides(cfg, overrides)
     if cfg.admission.enabled:
         cfg = dataclasses.replace(cfg, admission=dataclasses.replace(cfg.admission, target_ttft_s=slo.ttft_s,
@@ -89,8 +91,10 @@ def run_cell(cell: Cell, families: list[Family], slos: dict[str, Slo], window: W
         for label, overrides in family.variants():
             configs = {name: variant_config(family, overrides, base, slo) for name, slo in slos.items()}
             entry: dict[str, Any] = {"family": family.name, "knob": family.knob,
-                                     "value": int(next(iter(overrides.values()))) if overrides else None,
+                                     "value": int(overrides[family.knob]) if family.knob else None,
                                      "slo": {}, "runs": {}}
+            if "max_batch_size" in overrides:  # the second knob (`Family.seqs`)
+                entry["max_batch_size"] = int(overrides["max_batch_size"])
             runs: dict[str, Any] = {}
             for name, cfg in configs.items():
                 key = next(k for k, c in configs.items() if c == cfg)  # the first SLO with this configuration

@@ -145,3 +145,29 @@ def test_rerun_replaces_one_familys_variants_and_keeps_the_stored_baselines(tmp_
     moved = [a if a != "0.5" else "0.4" for a in args]  # another window: another trace than the one stored
     with pytest.raises(SystemExit, match="another trace"):
         tidal([*moved, "--rerun", "adaptive"])
+
+
+def test_the_capped_family_tries_each_budget_at_each_batch_cap_and_reports_both_knobs() -> None:
+    from loadgen.sim.sweep_matrix import capped_family
+
+    fam = capped_family((256, 1024), (16, 32))
+    labels = [label for label, _ in fam.variants()]
+    assert labels == ["sarathi-seqs@256/16", "sarathi-seqs@256/32", "sarathi-seqs@1024/16", "sarathi-seqs@1024/32"]
+    base = unit_config(CostModel.load(A100))
+    cfg = variant_config(fam, dict(fam.variants()[1][1]), base, SLOS["ttft2-tpot75"])
+    assert (cfg.max_num_batched_tokens, cfg.max_batch_size) == (256, 32)
+    assert cfg.admission.target_tpot_s == 0.075
+    # A cap above the budget is lowered to it, as vLLM requires (max_num_seqs <= max_num_batched_tokens).
+    wide = variant_config(fam, {"max_num_batched_tokens": "128", "max_batch_size": "512"}, base, SLOS["ttft1-tpot100"])
+    assert wide.max_batch_size == 128
+    slos = {"ttft2-tpot75": SLOS["ttft2-tpot75"]}
+    res = run_cell(Cell("azure-conv", 1.0, A100), [FAMILIES[0], capped_family((256,), (16, 64))], slos,
+                   Window(minutes=1.0), None)
+    entry = res["variants"]["sarathi-seqs@256/16"]
+    assert (entry["value"], entry["max_batch_size"]) == (256, 16)
+    label, best = best_of(res["variants"], "sarathi-seqs", "ttft2-tpot75")
+    (row,) = headline_rows([res], "ttft2-tpot75")
+    assert row["sarathi-seqs"].endswith(f"@256/{best['max_batch_size']}") and row["best"] == label
+    assert "vllm" not in row  # a family the sweep did not run has no column
+    md = report_markdown([res], slos, "# t\n")
+    assert "| sarathi-seqs |" in md and "| vllm |" not in md
