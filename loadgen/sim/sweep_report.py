@@ -19,7 +19,7 @@ from loadgen.report import markdown_table
 from loadgen.sim.sweep_matrix import SLOS
 from loadgen.sim.sweep_run import best_of
 
-BASELINES = ("vllm", "sarathi", "sarathi-seqs", "tgi", "ray-serve")  # sarathi-seqs: with --seqs
+BASELINES = ("vllm", "sarathi", "sarathi-seqs", "tgi", "ray-serve")  # sarathi-seqs: not with --no-seqs
 GOAL = 0.98
 
 
