@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from loadgen.report import markdown_table
-from loadgen.sim.sweep_matrix import SLOS
+from loadgen.sim.sweep_matrix import CAPPED, SLOS
 from loadgen.sim.sweep_run import best_of
 
-BASELINES = ("vllm", "sarathi", "sarathi-seqs", "tgi", "ray-serve")  # sarathi-seqs: not with --no-seqs
+BASELINES = ("vllm", "sarathi", CAPPED, "tgi", "ray-serve")  # CAPPED (sarathi-seqs): not with --no-seqs
 GOAL = 0.98
 
 
