@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from serve_app.unit_api import UNIT_REPLACED, EngineError, GenerateChunk, GenerateRequest
 from tidal_core import Idle, Request, Run, Scheduler, StepOutputs, StepPlan, UnitLoad, WaitUntil
 from tidal_core.block_hash import HashScheme
-from tidal_core.front_admission import absorb_door_refusals, published_load
+from tidal_core.front_admission import DoorRefusal, absorb_door_refusals, published_load
 from tidal_core.plan import AsyncExecutor
 from tidal_core.service_class import ServiceClass
 
@@ -180,9 +180,9 @@ class EngineLoop:
                 self.sched.abort(gen.request_id, self.clock())
                 self._wake.set()
 
-    def load(self, now: float, refused_at_door: Sequence[int] = ()) -> UnitLoad:
+    def load(self, now: float, refused_at_door: Sequence[DoorRefusal] = ()) -> UnitLoad:
         """The unit's published snapshot (front-end admission, routing, autoscaling), after counting
-        the requests a front gate refused since its last poll, one prompt estimate each
+        the requests a front gate refused since its last poll, one (prompt estimate, reason) each
         (`refused_at_door`, `absorb_door_refusals`)."""
         absorb_door_refusals(self.sched, now, refused_at_door)
         return published_load(self.sched, now, self.unit_id)

@@ -24,7 +24,7 @@ load (its arrival rate) would see only what the door let through, about its capa
 overload: its regime would stay short of OVERLOAD (the rules it applies there, such as
 `prompt_over_target`, would not) and an autoscaler reading its load and refusals would miss the
 demand turned away. Each poll passes on the refusals since the last one, with each one's prompt
-estimate (`load_stats(tokens)`:
+estimate and reason (`load_stats(refusals)`:
 tidal_core/front_admission.py `absorb_door_refusals`), and a gate with refusals to pass on polls
 even while verdicts keep its snapshots fresh, at most every `period_s`.
 
@@ -72,7 +72,15 @@ from serve_app.openai.body_peek import peek_service_class
 from serve_app.openai.errors import OpenAIError
 from serve_app.openai.http_limits import DEFAULT_MAX_BODY_BYTES, JSON_ENDPOINTS, error_response
 from tidal_core import AdmissionConfig, UnitLoad
-from tidal_core.front_admission import FrontAdmission, FrontRefusal, OnTheWay, PathModel, PromptSizeModel, Sighting
+from tidal_core.front_admission import (
+    DoorRefusal,
+    FrontAdmission,
+    FrontRefusal,
+    OnTheWay,
+    PathModel,
+    PromptSizeModel,
+    Sighting,
+)
 from tidal_core.retry_spread import RetrySpread, retry_after_ms
 from tidal_core.service_class import ServiceClass
 
@@ -116,9 +124,9 @@ class FrontGate:
         self.spread = RetrySpread(admission.max_retry_after_s)
         self.sightings: dict[str, Sighting] = {}
         self.refused: dict[str, int] = {}
-        # The refusals the next poll passes on to a unit, one prompt estimate each (its load, refusal meter and
-        # `costly_prompt` sample count them); at most `MAX_UNDELIVERED` while no poll gets through.
-        self.undelivered: list[int] = []
+        # The refusals the next poll passes on to a unit, one (prompt estimate, reason) each (its load, refusal
+        # meters and `costly_prompt` sample count them); at most `MAX_UNDELIVERED` while no poll gets through.
+        self.undelivered: list[DoorRefusal] = []
         self._on_refusal = on_refusal  # each 429's reason, e.g. to a counter (`serve_app.metrics.refusal_counter`)
         self._poll = poll
         self._closed = closed  # e.g. a failed unit being rebuilt: 503 at the door
@@ -243,7 +251,7 @@ class FrontGate:
         if verdict is not None:
             self.refused[verdict.reason] = self.refused.get(verdict.reason, 0) + 1
             if len(self.undelivered) < MAX_UNDELIVERED:
-                self.undelivered.append(tokens)
+                self.undelivered.append((tokens, verdict.reason))
             if self._on_refusal is not None:
                 self._on_refusal(verdict.reason)
             return _rate_limited(verdict)

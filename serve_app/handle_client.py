@@ -23,6 +23,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from serve_app.openai.errors import OpenAIError, from_engine_error
 from serve_app.unit_api import UNIT_REPLACED, EngineError, GenerateChunk, GenerateRequest, ModelInfo
 from tidal_core import UnitLoad
+from tidal_core.front_admission import DoorRefusal
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +67,9 @@ class HandleEngineClient:
         return from_engine_error(EngineError.unavailable("engine_recovering", UNIT_REPLACED,
                                                          self.RECOVERING_RETRY_AFTER_S))
 
-    async def load(self, refused_at_door: Sequence[int] = ()) -> UnitLoad:
+    async def load(self, refused_at_door: Sequence[DoorRefusal] = ()) -> UnitLoad:
         """One unit's published snapshot (the front gate's poll, passing on its refusals since the last,
-        one prompt estimate each)."""
+        one (prompt estimate, reason) each)."""
         return cast(UnitLoad, await self._router.load_stats.remote(list(refused_at_door)))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:

@@ -59,6 +59,7 @@ from serve_app.metrics import refusal_counter
 from serve_app.openai.arrival_stamp import ArrivalKey, restamp
 from serve_app.openai.body_peek import peek_service_class
 from serve_app.openai.http_limits import DEFAULT_MAX_BODY_BYTES, JSON_ENDPOINTS, error_response
+from tidal_core.front_admission import DoorRefusal
 from tidal_core.service_class import ServiceClass
 
 logger = logging.getLogger("ray.serve")  # the proxy's own log (logs/serve/proxy_*.log)
@@ -193,7 +194,7 @@ class ProxyGateMiddleware:
             handle = serve.get_deployment_handle(UNIT_DEPLOYMENT, app_name=name)
             admission = await handle.admission_config.remote()
 
-            async def poll(refused_at_door: list[int], handle: Any = handle) -> Any:
+            async def poll(refused_at_door: list[DoorRefusal], handle: Any = handle) -> Any:
                 return await handle.load_stats.remote(refused_at_door)
 
             gate = FrontGate(admission, poll, count_arrivals=True, on_refusal=self._count_refusal)

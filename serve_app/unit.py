@@ -27,6 +27,7 @@ from serve_app.metrics import UnitMetrics, prefix_cache_counters
 from serve_app.unit_api import GenerateChunk, GenerateRequest, ModelInfo
 from tidal_core import Scheduler, UnitLoad
 from tidal_core.config import AdmissionConfig, ServicePrior
+from tidal_core.front_admission import DoorRefusal
 
 if TYPE_CHECKING:
     from actors.replica import ReplicaGroup
@@ -147,10 +148,10 @@ class ServingUnit:
     def _stats(self) -> dict[str, float]:
         return self.loop.load(time.monotonic()).to_stats()
 
-    async def load_stats(self, refused_at_door: Sequence[int] = ()) -> UnitLoad:
+    async def load_stats(self, refused_at_door: Sequence[DoorRefusal] = ()) -> UnitLoad:
         """This unit's published snapshot: what the front gates poll (cheap). A poll passes on the
-        requests its gate refused since the last one, one prompt estimate each, which count in this
-        unit's load, refusals and `costly_prompt` sample (tidal_core/front_admission.py
+        requests its gate refused since the last one, one (prompt estimate, reason) each, which count
+        in this unit's load, refusals, regime and `costly_prompt` sample (tidal_core/front_admission.py
         `absorb_door_refusals`)."""
         return self.loop.load(time.monotonic(), refused_at_door)
 

@@ -88,7 +88,7 @@ from dataclasses import dataclass
 from tidal_core.admission import regime_limit_s
 from tidal_core.config import AdmissionConfig
 from tidal_core.costly_prompts import UNLIMITED
-from tidal_core.regime import Regime
+from tidal_core.regime import BACKLOG_REASONS, Regime
 from tidal_core.scheduler import Scheduler
 from tidal_core.snapshot import UnitLoad
 
@@ -136,23 +136,32 @@ def published_load(sched: Scheduler, now: float, unit_id: str = "") -> UnitLoad:
                                overload_clear_s=clear)
 
 
-def absorb_door_refusals(sched: Scheduler, now: float, prompt_tokens: Sequence[int]) -> None:
+DoorRefusal = tuple[int, str]
+"""A request a front end refused at the door: (its prompt tokens, estimated; the rule's reason)."""
+
+
+def absorb_door_refusals(sched: Scheduler, now: float, refused: Sequence[DoorRefusal]) -> None:
     """The requests a front end refused at the door for `sched`'s unit since it last said
-    (`FrontAdmission` refuses only what every unit would), one estimate of its prompt tokens each:
-    they count as the unit's arrivals in its load estimate and, refused, in its refusal meter, as
-    they would had they reached it. Without this the unit's load saw only what the door let
+    (`FrontAdmission` refuses only what every unit would), one (prompt estimate, reason) each:
+    they count as the unit's arrivals in its load estimate and, refused, in its refusal meters
+    (the regime's counts those refused for the work ahead, core/regime.py), as they would had they
+    reached it. Without this the unit's load saw only what the door let
     through, about its capacity in any overload, so its regime stayed short of OVERLOAD and an
     autoscaler reading its load and refusals missed the demand turned away. Their prompts, less
     what the unit's cache would hold of each (its `cached_fit`), join the `costly_prompt` rule's
     sample (core/costly_prompts.py: a sample without the long prompts the door refused would
     lower the limit with every refusal).
     They do not count in `num_arrived` (the requests on the way) nor in the prompt mean."""
-    num_refused = len(prompt_tokens)
+    num_refused = len(refused)
     if num_refused > 0:
         sched.load.on_arrivals_elsewhere(now, float(num_refused))
         sched.view.refusals.on_arrival(now, True, float(num_refused))
+        backlog = sum(1 for _, reason in refused if reason in BACKLOG_REASONS)
+        for reason, count in (("prefill_backlog", backlog), (None, num_refused - backlog)):
+            if count:
+                sched.regime.on_arrival(now, reason, float(count))
         if sched.admission.config.shed_costly_prompts_in_overload:
-            sched.admission.costly.observe_many(sched.q.cached_fit.uncached(n) for n in prompt_tokens)
+            sched.admission.costly.observe_many(sched.q.cached_fit.uncached(n) for n, _ in refused)
 
 
 def price_per_token(load: UnitLoad, num_requests: int) -> float:

@@ -1,9 +1,22 @@
 """Traffic regime: LIGHT / STEADY / OVERLOAD, with hysteresis.
 
-Owns: `Regime` and `RegimeDetector`. Inputs are the observations of core/load.py (load =
-utilisation), the predicted queueing delay relative to the target TTFT, and KV usage. Every
-threshold is relative (to capacity, to the SLO, to the KV pool), so one config serves a CPU
-box and an 8xA100 unit. Enter and exit marks differ, and a new regime must be called for
+Owns: `Regime`, `RegimeDetector` and `BACKLOG_REASONS`. Inputs are the observations of
+core/load.py (load = utilisation), the predicted queueing delay relative to the target TTFT, KV
+usage, and the recent share of arrivals admission refused for the work ahead of them (the
+detector's own `RefusalMeter`, fed by `on_arrival`). Every threshold is relative (to capacity,
+to the SLO, to the KV pool, to the arrivals), so one config serves a CPU box and an 8xA100 unit.
+
+Why the refusals: utilisation counts GPU time, and a unit can have GPU time to spare while it
+turns most requests away. Long prompts arriving together queue behind each other past the TTFT
+target, so admission refuses them (`prefill_backlog`), and the queueing delay at any moment reads
+short because admission keeps the queue short. Without the signal, one A100 70B unit on
+Mooncake's conversation trace at 0.3x its rate (prompts up to 8k tokens, 1.2-1.3 s of prefill
+alone against a 1 s target) read a load of about 1.0, spent a third of the hour in STEADY, and
+served 200 prompts too slow to meet the target even alone, each in the place of requests that
+could (`prompt_over_target` applies in OVERLOAD only): 0.861 of the best fixed token budget on the
+sweet-spot matrix (benchmarks/RESULTS.md, "Refusals as an overload signal"). Refusals of a
+request's own prompt (`prompt_over_target`, `costly_prompt`) do not count: they happen in
+OVERLOAD, and would hold the unit there. Enter and exit marks differ, and a new regime must be called for
 without a break for `min_dwell_s` before it is taken, so stationary noise does not flap it.
 
 What a regime changes: LIGHT launches at once (no micro-wait); STEADY applies the adaptive
@@ -20,6 +33,7 @@ from __future__ import annotations
 import enum
 
 from tidal_core.config import RegimeConfig
+from tidal_core.refusal_meter import RefusalMeter
 
 
 class Regime(enum.StrEnum):
@@ -28,6 +42,10 @@ class Regime(enum.StrEnum):
     OVERLOAD = "overload"
 
 
+BACKLOG_REASONS = frozenset({"prefill_backlog", "queue_full", "kv_pressure", "concurrency_limit"})
+"""Refusals for the work ahead of a request: what the unit cannot serve in time because of the
+others (not `prompt_over_target` or `costly_prompt`, which judge the request's own prompt)."""
+
 REGIME_LEVEL = {Regime.LIGHT: 0, Regime.STEADY: 1, Regime.OVERLOAD: 2}
 _LIGHT, _STEADY, _OVERLOAD = Regime.LIGHT, Regime.STEADY, Regime.OVERLOAD
 # Module globals: reading a member off an enum class goes through the metaclass's `__getattr__`
@@ -35,7 +53,7 @@ _LIGHT, _STEADY, _OVERLOAD = Regime.LIGHT, Regime.STEADY, Regime.OVERLOAD
 
 
 class RegimeDetector:
-    __slots__ = ("_pending", "_pending_since", "config", "num_transitions", "regime", "since_s")
+    __slots__ = ("_pending", "_pending_since", "config", "num_transitions", "refusals", "regime", "since_s")
 
     def __init__(self, config: RegimeConfig, now: float = 0.0) -> None:
         self.config = config
@@ -44,18 +62,20 @@ class RegimeDetector:
         self.num_transitions = 0
         self._pending: Regime | None = None
         self._pending_since = now
+        self.refusals = RefusalMeter(config.refused_tau_s)  # refused for the work ahead (BACKLOG_REASONS)
 
-    def target(self, load: float, queue_delay_ratio: float, kv_usage: float) -> Regime:
+    def target(self, load: float, queue_delay_ratio: float, kv_usage: float, refused: float = 0.0) -> Regime:
         """The regime the observations call for, given the current one (hysteresis)."""
         c = self.config
         current = self.regime
         if current is _OVERLOAD:
             calm = (load < c.overload_exit and queue_delay_ratio < c.queue_delay_exit
-                    and kv_usage < c.kv_overload_exit)
+                    and kv_usage < c.kv_overload_exit and refused < c.refused_exit)
             if not calm:
                 return _OVERLOAD
             return _LIGHT if load < c.light_enter else _STEADY
-        if load >= c.overload_enter or queue_delay_ratio >= c.queue_delay_overload or kv_usage >= c.kv_overload:
+        if (load >= c.overload_enter or queue_delay_ratio >= c.queue_delay_overload or kv_usage >= c.kv_overload
+                or refused >= c.refused_overload):
             return _OVERLOAD
         if current is _LIGHT:
             return _STEADY if load > c.light_exit else _LIGHT
@@ -64,7 +84,7 @@ class RegimeDetector:
     def update(self, now: float, load: float, queue_delay_ratio: float, kv_usage: float) -> Regime:
         if not self.config.enabled:
             return self.regime
-        want = self.target(load, queue_delay_ratio, kv_usage)
+        want = self.target(load, queue_delay_ratio, kv_usage, self.refusals.fraction(now))
         if want is self.regime:
             self._pending = None
         elif want is not self._pending:
@@ -74,3 +94,7 @@ class RegimeDetector:
             self._pending = None
             self.num_transitions += 1
         return self.regime
+
+    def on_arrival(self, now: float, reason: str | None, count: float = 1.0) -> None:
+        """`count` interactive arrivals judged at `now`, refused for `reason` (None: admitted)."""
+        self.refusals.on_arrival(now, reason in BACKLOG_REASONS, count)

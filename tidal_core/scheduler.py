@@ -9,11 +9,10 @@ policy `LaunchPolicy` (microwait.py: when new prefills launch), the step sizer `
 the `TtftPredictor` (predictor.py) read through `UnitView` (unit_view.py: predictions, what
 admission sees, the snapshot), the `AdmissionController`, the batch class's `BatchLane`
 (batch_lane.py: only in the headroom interactive requests leave), the `RegimeDetector` over the
-`LoadEstimator`, `Completion` (completion.py: first tokens, finishes, preemptions and the
-accounts that learn from them), `CudaGraphBuckets` and the `TpotMeter`. The baselines
+`LoadEstimator` and the refusals, `Completion` (completion.py: first tokens, finishes, preemptions
+and the accounts that learn from them), `CudaGraphBuckets` and the `TpotMeter`. The baselines
 (presets.py) are configurations of these same objects, never another code path.
 Three calls make an engine step, besides `add_request` (admission may answer `Rejection`) and `abort`:
-
     decision = scheduler.schedule(now)                    # Run(plan) | WaitUntil(t) | Idle
     result = executor.execute(plan)                       # real model or simulated GPU
     outputs = scheduler.on_step_done(plan, result, now)   # tokens, first tokens, finishes
@@ -140,6 +139,7 @@ class Scheduler:
         state = self.view.unit_state(now, req, corrected)
         rejection = self.admission.check_length(req) or self.admission.check(req, state, self.load)
         self.view.refusals.on_arrival(now, rejection is not None and rejection.retryable)
+        self.regime.on_arrival(now, rejection.reason if rejection is not None else None)
         if rejection is not None:
             req.status, req.finished_s = RequestStatus.REJECTED, now
             self.stats.rejected[rejection.reason] += 1

@@ -132,7 +132,7 @@ def test_the_unit_publishes_the_limit_and_the_gate_refuses_by_it_and_counts_the_
     assert published_load(_overloaded(shed_costly_prompts_in_overload=False), 0.0).costly_limit_tokens == 0
     assert not AdmissionConfig().shed_costly_prompts_in_overload  # off unless a deployment turns it on
     seen = unit.admission.costly.num_seen
-    absorb_door_refusals(unit, 0.0, [4000, 5000, 6000])
+    absorb_door_refusals(unit, 0.0, [(4000, "costly_prompt"), (5000, "prefill_backlog"), (6000, "costly_prompt")])
     assert unit.admission.costly.num_seen == seen + 3
 
 

@@ -331,9 +331,16 @@ def test_the_doors_refusals_count_in_the_units_load_so_its_regime_sees_the_overl
         for sched in (told, blind):
             sched.load.arrivals.on_event(now, capacity * 0.05)
             sched._observe(now)  # what every schedule() of a unit with work does each OBSERVE_PERIOD_S
-        absorb_door_refusals(told, now, [300] * round(2 * capacity * 0.05 * 10) if step % 10 == 0 else [])
+        absorb_door_refusals(told, now, [(300, "prefill_backlog")] * round(2 * capacity * 0.05 * 10)
+                             if step % 10 == 0 else [])
     assert blind.current_regime is not Regime.OVERLOAD
     assert told.current_regime is Regime.OVERLOAD
     assert told.view.refusals.fraction(20.0) > 0.5 and told.stats.num_arrived == blind.stats.num_arrived == 0
     absorb_door_refusals(told, 20.0, [])  # nothing to count: nothing changes
     assert told.stats.num_arrived == 0
+    # The regime's own signal counts the refusals for the work ahead only: a prompt refused for its
+    # own length (in OVERLOAD) would otherwise hold the unit there.
+    assert told.regime.refusals.fraction(20.0) == 1.0
+    own = unit()
+    absorb_door_refusals(own, 0.0, [(8000, "prompt_over_target")] * 3 + [(300, "prefill_backlog")])
+    assert own.view.refusals.fraction(0.0) == 1.0 and own.regime.refusals.fraction(0.0) == 0.25

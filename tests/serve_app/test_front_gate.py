@@ -344,10 +344,10 @@ def test_the_poll_periods_must_fit_the_snapshots_age_limit() -> None:
 async def test_the_doors_refusals_reach_a_unit_with_the_next_poll_once() -> None:
     """A request refused at the door never reaches a unit: the gate passes its refusals on with its
     next poll, even while verdicts keep its snapshots fresh, and each only once; the unit counts
-    them in its load, refusal meter and `costly_prompt` sample, not in the requests it received."""
+    them in its load, refusal meters and `costly_prompt` sample, not in the requests it received."""
     clock, passed = Clock(), []
 
-    async def poll(refused_at_door: list[int]) -> UnitLoad:
+    async def poll(refused_at_door: list[tuple[int, str]]) -> UnitLoad:
         passed.append(list(refused_at_door))
         return BUSY
 
@@ -355,7 +355,8 @@ async def test_the_doors_refusals_reach_a_unit_with_the_next_poll_once() -> None
     gate.observe(BUSY)  # fresh: without refusals to pass on, no poll (as in the test above)
     for _ in range(7):
         assert contextvars.copy_context().run(gate.refusal, 100) is not None
-    assert len(gate.undelivered) == 7 and all(n > 0 for n in gate.undelivered)  # each one's prompt estimate
+    # each one's prompt estimate and the rule's reason
+    assert len(gate.undelivered) == 7 and all(n > 0 and why == "prefill_backlog" for n, why in gate.undelivered)
     estimates = list(gate.undelivered)
     gate.start()
     await _until(lambda: sum(map(len, passed)) == 7)
@@ -369,6 +370,7 @@ async def test_the_doors_refusals_reach_a_unit_with_the_next_poll_once() -> None
     loop = EngineLoop(sched, AsyncFake(step_s=0.01), unit_id="u9")
     before = loop.load(10.0)
     seen = sched.admission.costly.num_seen
-    after = loop.load(10.0, refused_at_door=[300] * 50)
+    after = loop.load(10.0, refused_at_door=[(300, "prefill_backlog")] * 50)
     assert after.load > before.load and after.refused_fraction == 1.0 and after.num_arrived == before.num_arrived
+    assert sched.regime.refusals.fraction(10.0) == 1.0  # refused for the work ahead: the regime's signal too
     assert sched.admission.costly.num_seen == seen + 50  # the `costly_prompt` sample, where the rule is on
