@@ -31,6 +31,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from serve_app.openai.validation import (
+    MAX_PROMPTS,
     MAX_STOP_STRINGS,
     check_content,
     check_prompt,
@@ -42,6 +43,7 @@ from serve_app.openai.validation import (
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20  # SamplingParams' bound; OpenAI's own limit is 20 for top_logprobs
 MAX_CHOICES = 16  # n: each choice is one more sequence in the scheduler (OpenAI allows 128)
+MAX_SEQUENCES = 128  # prompts x n in one /v1/completions request
 
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 # Constraints the validators (serve_app/openai/validation.py) enforce first with their own
@@ -164,9 +166,10 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=1)] | TokenIds
-             | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]) = Field(
-        ..., description="A string, a list of one string, a list of token ids, or a list of one list of token ids")
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
+        ..., description=f"A string, a list of token ids, or a batch of up to {MAX_PROMPTS} of either (a list of "
+        "strings or of lists of token ids): each prompt gets its own `n` choices, indexed prompt by prompt")
     max_tokens: PositiveInt | None = Field(None, description="Default 16 (capped to the context left)")
     logprobs: LogprobCount | None = None
     echo: StrictBool = Field(False, description="Prepend the prompt to the text (not with logprobs)")
@@ -192,17 +195,15 @@ class CompletionRequest(SamplingFields):
             raise _unsupported("best_of", repr(value), "only best_of=1 is supported")
         return value
 
-    def prompt_input(self) -> str | list[int]:
-        """The single prompt as text or token ids (the validator has checked the shape)."""
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """The prompts, each as text or token ids (the validator has checked the shape): one, or a
+        batch."""
         p = self.prompt
         if isinstance(p, str):
-            return p
-        first = p[0]
-        if isinstance(first, str):
-            return first
-        if isinstance(first, list):
-            return list(first)
-        return [int(t) for t in p]  # type: ignore[arg-type]
+            return [p]
+        if isinstance(p[0], (str, list)):
+            return [q if isinstance(q, str) else [int(t) for t in q] for q in p]
+        return [[int(t) for t in p]]
 
 
 class TextContentPart(OpenAIModel):

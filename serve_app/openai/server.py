@@ -4,7 +4,10 @@ Owns: `OpenAIServer` (validate against the served model, tokenize, build `Sampli
 request, detokenize and apply stop strings, render the response or the SSE event stream) and
 `EventStream` (the SSE body; closing it cancels the engine request). A request with `n` > 1 is `n`
 engine requests with the same prompt ids (choice `i` seeded `seed + i`), started together and read
-side by side; their choices carry `index`, the usage counts the prompt once. The usage reports
+side by side; their choices carry `index`, the usage counts the prompt once. A /v1/completions
+request with a batch of prompts is, for each prompt `p`, its `n` choices at `index` `p x n + i`
+(seeded as a request with that prompt alone would be), every prompt checked (length, context)
+before any starts, all started together (serve_app/openai/runs.py); the usage adds up the prompts. The usage reports
 the prompt's prefix-cache hit (`prompt_tokens_details.cached_tokens`) as the unit's chunks carry it.
 When the unit caches prefixes (`ModelInfo.hash_scheme`), the prompt's block hashes are computed
 here, once per request (for all `n` choices), and travel in the `GenerateRequest`: the request
@@ -44,11 +47,12 @@ from serve_app.openai.render import (
     merge_responses,
     sse_event,
 )
-from serve_app.openai.requests import ChatCompletionRequest, CompletionRequest, SamplingFields
+from serve_app.openai.requests import MAX_SEQUENCES, ChatCompletionRequest, CompletionRequest, SamplingFields
 from serve_app.openai.responses import ChatCompletionResponse, CompletionResponse, ModelCard, ModelList
+from serve_app.openai.runs import Renderer, Run, all_or_none, one, prompt_usage
 from serve_app.openai.sampling_defaults import SamplingDefaults
-from serve_app.unit_api import GenerateChunk, GenerateRequest
-from serve_app.unit_stream import EngineClient, EngineStream, open_stream
+from serve_app.unit_api import GenerateRequest
+from serve_app.unit_stream import EngineClient, open_stream
 from tidal_core.block_hash import PromptHashes
 from tidal_core.request import SamplingParams
 from tidal_core.service_class import ServiceClass, service_class_of
@@ -62,8 +66,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/comple
 OFFLOAD_CHARS = 1024
 # Prompts at least this long are hashed off the event loop too (~4 us per 16-token block).
 OFFLOAD_HASH_TOKENS = 1024
-
-Renderer = CompletionRenderer | ChatRenderer
 
 
 def _service_class(request: SamplingFields) -> ServiceClass:
@@ -84,29 +86,10 @@ class _Budget:
     prompt_param: str  # "prompt" or "messages"
 
 
-@dataclass
-class _Run:
-    """One admitted request: its engine stream (first chunk read) and how to render it."""
-
-    stream: EngineStream
-    first: GenerateChunk
-    output: OutputText
-    renderer: Renderer
-    num_prompt_tokens: int
-    include_usage: bool
-    deadline: float | None  # event-loop time after which the request is aborted
-    cached_tokens: int = 0  # the prompt's prefix-cache hit, as the unit's latest chunk reported it
-
-    async def next(self) -> GenerateChunk:
-        chunk = await self.stream.next(self.deadline)
-        self.cached_tokens = max(self.cached_tokens, chunk.num_cached_tokens)
-        return chunk
-
-
 class EventStream:
     """The SSE body. `aclose` closes the engine stream even if iteration never started."""
 
-    def __init__(self, server: OpenAIServer, runs: list[_Run]) -> None:
+    def __init__(self, server: OpenAIServer, runs: list[Run]) -> None:
         self._runs = runs
         self._events = server._events(runs)
 
@@ -177,17 +160,30 @@ class OpenAIServer:
         if request.echo and request.logprobs is not None:
             raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo",
                               "unsupported_value")
-        prompt = request.prompt_input()
-        size = len(prompt) if isinstance(prompt, str) else 0
-        ids = await self._tokenize(size, self.prompts.completion_ids, prompt)
-        echo_text = None
-        if request.echo:
-            echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        prompts, n = request.prompt_inputs(), request.n
+        if len(prompts) * n > MAX_SEQUENCES:
+            raise bad_request(f"{len(prompts)} prompts x n={n} ask for {len(prompts) * n} choices; at most "
+                              f"{MAX_SEQUENCES} fit in one request", "n")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        renderers = [CompletionRenderer(request_id, self.model_id, int(arrival_s), self.strings, request.logprobs,
-                                        echo_text, index=i) for i in range(request.n)]
         budget = _Budget(request.max_tokens, "max_tokens", self.default_completion_max_tokens, "prompt")
-        runs = await self._start(request, ids, budget, request.logprobs, renderers, arrival_s)
+        batch: list[tuple[list[int], list[Renderer]]] = []
+        for p, prompt in enumerate(prompts):  # every prompt checked before any starts
+            try:
+                ids = await self._tokenize(len(prompt) if isinstance(prompt, str) else 0,
+                                           self.prompts.completion_ids, prompt)
+                self._max_tokens(len(ids), budget)
+            except OpenAIError as err:
+                if len(prompts) > 1:  # say which prompt of the batch
+                    err.message = f"prompt[{p}]: {err.message}"
+                raise
+            echo_text = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if request.echo else None
+            batch.append((ids, [CompletionRenderer(request_id, self.model_id, int(arrival_s), self.strings,
+                                                   request.logprobs, echo_text, index=p * n + j) for j in range(n)]))
+        if len(batch) == 1:
+            runs = await self._start(request, ids, budget, request.logprobs, batch[0][1], arrival_s)
+        else:  # a batch of prompts: each its own requests, started together
+            runs = await all_or_none([self._start(request, ids, budget, request.logprobs, renderers, arrival_s,
+                                                   many=True) for ids, renderers in batch])
         return cast(CompletionResponse | EventStream, await self._finish(runs, request.stream))
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
@@ -279,20 +275,22 @@ class OpenAIServer:
             raise bad_request(message, message.split("=", 1)[0] if "=" in message else None) from err
 
     async def _start(self, request: SamplingFields, ids: list[int], budget: _Budget, logprobs: int | None,
-                     renderers: Sequence[Renderer], arrival_s: float) -> list[_Run]:
-        """Start one engine request per choice, all at once, and read each one's first chunk. If
-        any fails before its first token, the others are closed and its error is raised."""
+                     renderers: Sequence[Renderer], arrival_s: float, many: bool = False) -> list[Run]:
+        """Start one engine request per choice of one prompt, all at once, and read each one's first
+        chunk. If any fails before its first token, the others are closed and its error is raised.
+        The first choice's run counts the prompt in the usage (`counts_prompt`); with `many` (or n
+        > 1) each engine request's id ends with its choice's index."""
         max_tokens = self._max_tokens(len(ids), budget)
         sampling = self._sampling(request, max_tokens, logprobs)
         deadline = None
         if self.request_timeout_s is not None:
             deadline = asyncio.get_running_loop().time() + self.request_timeout_s
-        many = len(renderers) > 1
+        many = many or len(renderers) > 1
         asked = _service_class(request)
         hashes = await self._prompt_hashes(ids)
 
-        async def start(index: int, renderer: Renderer) -> _Run:
-            rid = f"{renderer.request_id}-{index}" if many else renderer.request_id
+        async def start(index: int, renderer: Renderer) -> Run:
+            rid = f"{renderer.request_id}-{renderer.index}" if many else renderer.request_id
             params = sampling if not many or sampling.seed is None else \
                 replace(sampling, seed=sampling.seed + index)
             gen = GenerateRequest(rid, ids, params, arrival_s, service_class=asked, prompt_hashes=hashes)
@@ -302,35 +300,28 @@ class OpenAIServer:
             output = OutputText(self.tokenizer, ids, request.stop_strings(),
                                 include_stop=request.include_stop_str_in_output, min_tokens=request.min_tokens,
                                 skip_special_tokens=request.skip_special_tokens)
-            return _Run(stream, first, output, renderer, len(ids), request.include_usage, deadline,
-                        first.num_cached_tokens)
+            return Run(stream, first, output, renderer, len(ids), request.include_usage, deadline,
+                        first.num_cached_tokens, counts_prompt=index == 0)
 
-        if not many:
+        if len(renderers) == 1:
             return [await start(0, renderers[0])]
-        results = await asyncio.gather(*(start(i, r) for i, r in enumerate(renderers)), return_exceptions=True)
-        runs = [r for r in results if isinstance(r, _Run)]
-        failure = next((r for r in results if isinstance(r, BaseException)), None)
-        if failure is not None:
-            for run in runs:
-                await run.stream.close()
-            raise failure
-        return runs
+        return await all_or_none([one(start(i, r)) for i, r in enumerate(renderers)])
 
     # ---- running -------------------------------------------------------------------------------
 
-    async def _finish(self, runs: list[_Run], stream: bool) -> BaseModel | EventStream:
+    async def _finish(self, runs: list[Run], stream: bool) -> BaseModel | EventStream:
         if stream:
             return EventStream(self, runs)
         try:
             if len(runs) == 1:
                 return await self._aggregate(runs[0])
             responses = await asyncio.gather(*(self._aggregate(run) for run in runs))
-            return merge_responses(responses, runs[0].num_prompt_tokens, runs[0].cached_tokens)
+            return merge_responses(responses, *prompt_usage(runs))
         finally:
             for run in runs:
                 await run.stream.close()
 
-    async def _aggregate(self, run: _Run) -> CompletionResponse | ChatCompletionResponse:
+    async def _aggregate(self, run: Run) -> CompletionResponse | ChatCompletionResponse:
         parts: list[str] = []
         records: list[TokenLogprob] = []
         chunk = run.first
@@ -343,7 +334,7 @@ class OpenAIServer:
                                              run.output.num_tokens, run.cached_tokens)
             chunk = await run.next()
 
-    async def _choice_events(self, run: _Run) -> AsyncGenerator[BaseModel, None]:
+    async def _choice_events(self, run: Run) -> AsyncGenerator[BaseModel, None]:
         """One choice's rendered chunks, up to and including its finish."""
         try:
             chunk = run.first
@@ -358,7 +349,7 @@ class OpenAIServer:
         finally:
             await run.stream.close()  # stop string matched, finished or failed: cancel in the router
 
-    async def _events(self, runs: list[_Run]) -> AsyncGenerator[str, None]:
+    async def _events(self, runs: list[Run]) -> AsyncGenerator[str, None]:
         first = runs[0]
         try:
             for run in runs:
@@ -368,8 +359,8 @@ class OpenAIServer:
                 yield sse_event(rendered, first.include_usage)
             if first.include_usage:
                 completion_tokens = sum(run.output.num_tokens for run in runs)
-                yield sse_event(first.renderer.usage_chunk(first.num_prompt_tokens, completion_tokens,
-                                                           first.cached_tokens))
+                prompt_tokens, cached_tokens = prompt_usage(runs)
+                yield sse_event(first.renderer.usage_chunk(prompt_tokens, completion_tokens, cached_tokens))
         except OpenAIError as err:
             yield error_event(err)
         except Exception:  # a bug after the 200 went out: tell the client in-band, keep the traceback

@@ -44,9 +44,13 @@ def _ids(values: list[Any]) -> list[int]:
     return [int(v) for v in values]
 
 
+MAX_PROMPTS = 64
+"""Prompts in one /v1/completions request (each is served as its own request, `n` choices each)."""
+
+
 def check_prompt(value: Any) -> Any:
-    shape = ("prompt must be a string, a list of one string, a list of token ids, "
-             "or a list of one list of token ids")
+    shape = ("prompt must be a string, a list of strings, a list of token ids, "
+             "or a list of lists of token ids")
     if isinstance(value, str):
         if not value:
             raise _error("invalid_value", "prompt must not be empty")
@@ -58,18 +62,21 @@ def check_prompt(value: Any) -> Any:
     if all(is_json_integer(t) for t in value):
         return _ids(value)
     if all(isinstance(p, str) for p in value) or all(isinstance(p, list) for p in value):
-        if len(value) != 1:
-            raise _error("unsupported_value", "batched prompts ({n} prompts in one request) are not supported; "
-                         "send one request per prompt", n=len(value))
-        inner = value[0]
-        if not inner:
-            raise _error("invalid_value", "prompt must not be empty")
-        if isinstance(inner, list):
-            if not all(is_json_integer(t) for t in inner):
-                raise _error("invalid_type", "prompt token ids must be integers")
-            return [_ids(inner)]
-        _text(inner, "prompt")
-        return value
+        if len(value) > MAX_PROMPTS:
+            raise _error("invalid_value", "prompt holds {n} prompts; at most {most} fit in one request",
+                         n=len(value), most=MAX_PROMPTS)
+        out: list[Any] = []
+        for i, inner in enumerate(value):
+            where = f"prompt[{i}]" if len(value) > 1 else "prompt"
+            if not inner:
+                raise _error("invalid_value", "{where} must not be empty", where=where)
+            if isinstance(inner, list):
+                if not all(is_json_integer(t) for t in inner):
+                    raise _error("invalid_type", "{where}: token ids must be integers", where=where)
+                out.append(_ids(inner))
+            else:
+                out.append(_text(inner, where))
+        return out
     raise _error("invalid_type", shape)
 
 

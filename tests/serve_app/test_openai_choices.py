@@ -120,6 +120,61 @@ async def test_n_out_of_range_is_a_400_naming_n(tok: Any) -> None:
     assert engine.requests == []
 
 
+# ---- a batch of prompts (/v1/completions) ----------------------------------------------------------
+
+
+async def test_a_batch_of_prompts_is_each_prompts_choices_in_order_with_the_prompts_added_up(tok: Any) -> None:
+    """Prompt p's choice i is at index p x n + i, seeded as a request with that prompt alone (vLLM and
+    OpenAI order them so); the usage counts each prompt once and every choice's tokens."""
+    oai, engine = make(tok, reply="Sure thing.")
+    comp = await oai.completions.create(model=MODEL, prompt=["Say", "Tell me more"], n=2, seed=7, max_tokens=2,
+                                        echo=True)
+    assert [(c.index, c.text) for c in comp.choices] == [
+        (0, "SaySure thing"), (1, "SaySure thing"), (2, "Tell me moreSure thing"), (3, "Tell me moreSure thing")]
+    ids = [tok.encode(p) for p in ("Say", "Tell me more")]
+    assert [r.prompt_token_ids for r in engine.requests] == [ids[0], ids[0], ids[1], ids[1]]
+    assert [r.sampling.seed for r in engine.requests] == [7, 8, 7, 8]
+    assert len({r.request_id for r in engine.requests}) == 4
+    assert comp.usage is not None
+    assert (comp.usage.prompt_tokens, comp.usage.completion_tokens) == (len(ids[0]) + len(ids[1]), 8)
+    engine.requests.clear()
+    stream = await oai.completions.create(model=MODEL, prompt=[[5, 6], [7, 8, 9]], max_tokens=3, stream=True,
+                                          stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    got: dict[int, str] = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            got[choice.index] += choice.text
+    assert got[0] == got[1] == tok.decode(tok.encode("Sure thing.", add_special_tokens=False)[:3])
+    assert [r.prompt_token_ids for r in engine.requests] == [[5, 6], [7, 8, 9]]
+    usage = chunks[-1].usage
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (5, 6)
+    assert not engine.closed_early
+
+
+async def test_a_batch_is_checked_whole_before_anything_starts(tok: Any) -> None:
+    oai, engine = make(tok, max_model_len=64)
+    with pytest.raises(openai.BadRequestError) as bad:
+        await oai.completions.create(model=MODEL, prompt=["hi"] * 20, n=8)
+    assert bad.value.param == "n" and "160 choices" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as bad:
+        await oai.completions.create(model=MODEL, prompt=["hi", "word " * 100], max_tokens=4)
+    assert bad.value.code == "context_length_exceeded" and "400 - prompt[1]: The prompt is" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as bad:
+        await oai.completions.create(model=MODEL, prompt=[[1, 2], [10**9]])
+    assert bad.value.param == "prompt" and "prompt[1]: prompt token id 1000000000" in bad.value.message
+    assert engine.requests == []  # nothing reached the engine
+
+
+async def test_a_prompt_of_a_batch_refused_fails_the_request_and_frees_the_others(tok: Any) -> None:
+    engine = SecondChoiceRefused(tok, forever=True, delay_s=0.01)  # the request id ending "-1": prompt 1
+    oai, _ = make(tok, engine)
+    with pytest.raises(openai.RateLimitError):
+        await oai.completions.create(model=MODEL, prompt=["a", "b", "c"])
+    started = [r.request_id for r in engine.requests if not r.request_id.endswith("-1")]
+    assert len(started) == 2 and sorted(engine.closed_early) == sorted(started)  # nothing left running
+
+
 # ---- models, echo, suffix -----------------------------------------------------------------------
 
 

@@ -81,7 +81,8 @@ def test_an_integral_number_is_an_integer() -> None:
 
 @pytest.mark.parametrize(("prompt", "needle"), [
     ("", "must not be empty"), ([], "must not be empty"), ([[]], "must not be empty"),
-    (["a", "b"], "batched prompts (2 prompts"), ([[1], [2]], "batched prompts"), (5, "must be a string"),
+    (["a"] * 65, "65 prompts; at most 64"), (["a", ""], "prompt[1] must not be empty"), (5, "must be a string"),
+    ([[1], [2, "x"]], "prompt[1]: token ids must be integers"), (["a", [1]], "must be a string"),
     ([1, True], "must be a string"), ([[1, "x"]], "integers"), ({"text": "x"}, "must be a string"),
 ])
 def test_bad_prompts(prompt: Any, needle: str) -> None:
@@ -90,10 +91,11 @@ def test_bad_prompts(prompt: Any, needle: str) -> None:
 
 
 @pytest.mark.parametrize(("prompt", "expected"), [
-    ("hi", "hi"), (["hi"], "hi"), ([1, 2, 3], [1, 2, 3]), ([[4, 5]], [4, 5]),
+    ("hi", ["hi"]), (["hi"], ["hi"]), ([1, 2, 3], [[1, 2, 3]]), ([[4, 5]], [[4, 5]]), (["a", "b"], ["a", "b"]),
+    ([[1], [2, 3.0]], [[1], [2, 3]]),
 ])
 def test_prompt_forms(prompt: Any, expected: Any) -> None:
-    assert CompletionRequest.model_validate({"prompt": prompt}).prompt_input() == expected
+    assert CompletionRequest.model_validate({"prompt": prompt}).prompt_inputs() == expected
 
 
 @pytest.mark.parametrize(("model", "body", "param"), [
@@ -205,7 +207,7 @@ def test_the_schema_uses_only_json_schema_keywords() -> None:
 
 
 def test_prompt_token_ids_may_be_integral_numbers() -> None:
-    assert CompletionRequest.model_validate({"prompt": [1.0, 2]}).prompt_input() == [1, 2]
-    assert CompletionRequest.model_validate({"prompt": [[3.0]]}).prompt_input() == [3]
+    assert CompletionRequest.model_validate({"prompt": [1.0, 2]}).prompt_inputs() == [[1, 2]]
+    assert CompletionRequest.model_validate({"prompt": [[3.0]]}).prompt_inputs() == [[3]]
     message, param, _ = rejection(CompletionRequest, {"prompt": [1.5]})
     assert param == "prompt" and "must be" in message
