@@ -88,7 +88,7 @@ from dataclasses import dataclass
 from tidal_core.admission import regime_limit_s
 from tidal_core.config import AdmissionConfig
 from tidal_core.costly_prompts import UNLIMITED
-from tidal_core.regime import BACKLOG_REASONS, Regime
+from tidal_core.regime import Regime
 from tidal_core.scheduler import Scheduler
 from tidal_core.snapshot import UnitLoad
 
@@ -156,10 +156,8 @@ def absorb_door_refusals(sched: Scheduler, now: float, refused: Sequence[DoorRef
     if num_refused > 0:
         sched.load.on_arrivals_elsewhere(now, float(num_refused))
         sched.view.refusals.on_arrival(now, True, float(num_refused))
-        backlog = sum(1 for _, reason in refused if reason in BACKLOG_REASONS)
-        for reason, count in (("prefill_backlog", backlog), (None, num_refused - backlog)):
-            if count:
-                sched.regime.on_arrival(now, reason, float(count))
+        for _, reason in refused:
+            sched.regime.on_arrival(now, reason)
         if sched.admission.config.shed_costly_prompts_in_overload:
             sched.admission.costly.observe_many(sched.q.cached_fit.uncached(n) for n, _ in refused)
 

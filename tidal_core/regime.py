@@ -16,8 +16,10 @@ served 200 prompts too slow to meet the target even alone, each in the place of 
 could (`prompt_over_target` applies in OVERLOAD only): 0.861 of the best fixed token budget on the
 sweet-spot matrix (benchmarks/RESULTS.md, "Refusals as an overload signal"). Refusals of a
 request's own prompt (`prompt_over_target`, `costly_prompt`) do not count: they happen in
-OVERLOAD, and would hold the unit there. Enter and exit marks differ, and a new regime must be called for
-without a break for `min_dwell_s` before it is taken, so stationary noise does not flap it.
+OVERLOAD, and would hold the unit there.
+
+Enter and exit marks differ, and a new regime must be called for without a break for
+`min_dwell_s` before it is taken, so stationary noise does not flap it.
 
 What a regime changes: LIGHT launches at once (no micro-wait); STEADY applies the adaptive
 micro-wait; OVERLOAD launches at once (the queue batches by itself) and is the signal for
@@ -95,6 +97,6 @@ class RegimeDetector:
             self.num_transitions += 1
         return self.regime
 
-    def on_arrival(self, now: float, reason: str | None, count: float = 1.0) -> None:
-        """`count` interactive arrivals judged at `now`, refused for `reason` (None: admitted)."""
-        self.refusals.on_arrival(now, reason in BACKLOG_REASONS, count)
+    def on_arrival(self, now: float, reason: str | None) -> None:
+        """An interactive arrival judged at `now`, refused for `reason` (None: admitted)."""
+        self.refusals.on_arrival(now, reason in BACKLOG_REASONS)
