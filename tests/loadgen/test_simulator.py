@@ -142,14 +142,17 @@ def test_the_fleet_scales_on_a_hot_unit_s_step_time_not_only_its_arrival_rate(co
     at 0.927 attainment, against 2.85 at 0.949 with the step-time signal). Prompts too slow for the
     TTFT target are served in OVERLOAD (`admission.refuse_slow_prompts_in_overload` off) for the
     same reason: refusing them in the first OVERLOAD minutes counts toward the refusal signal and
-    adds the unit sooner (2.56 GPU-hours at 0.915 attainment with the rate signal alone)."""
+    adds the unit sooner (2.56 GPU-hours at 0.915 attainment with the rate signal alone). And the
+    regime's own refusal signal is off (`regime.refused_overload` above 1): the unit's first
+    refusals would call OVERLOAD, which adds a unit (3.16 GPU-hours with the rate signal alone)."""
     from loadgen.sim.study import constant_trace
 
     steady = constant_trace(2.0, 12.0, seed=5, max_len=8192)
     cfg = AutoscaleConfig(min_units=1, max_units=3, target_load=1.0, smoothing_s=30.0, lead_s=0.0,
                           upscale_delay_s=60.0, downscale_delay_s=1e6, hot_tpot_fraction=0.75, cool_tpot_fraction=0.5)
     fixed_aim = {"step_sizing.aim_gain": "0", "step_sizing.defer": "false",
-                 "admission.refuse_slow_prompts_in_overload": "false"}
+                 "admission.refuse_slow_prompts_in_overload": "false", "regime.refused_overload": "1.01",
+                 "regime.refused_exit": "1.01"}
     rate_only = run(cost, steady, "adaptive", autoscale=dataclasses.replace(cfg, hot_tpot_fraction=None),
                     provisioning_s=60.0, overrides=fixed_aim)
     with_tpot = run(cost, steady, "adaptive", autoscale=cfg, provisioning_s=60.0, overrides=fixed_aim)
