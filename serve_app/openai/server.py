@@ -7,11 +7,12 @@ engine requests with the same prompt ids (choice `i` seeded `seed + i`), started
 side by side; their choices carry `index`, the usage counts the prompt once. A /v1/completions
 request with a batch of prompts is, for each prompt `p`, its `n` choices at `index` `p x n + i`
 (seeded as a request with that prompt alone would be), every prompt checked (length, context)
-before any starts, all started together (serve_app/openai/runs.py); the usage adds up the prompts. The usage reports
-the prompt's prefix-cache hit (`prompt_tokens_details.cached_tokens`) as the unit's chunks carry it.
-When the unit caches prefixes (`ModelInfo.hash_scheme`), the prompt's block hashes are computed
-here, once per request (for all `n` choices), and travel in the `GenerateRequest`: the request
-router and the unit read them instead of hashing the prompt again.
+before any starts, all started together (serve_app/openai/runs.py); the usage adds up the
+prompts. The usage reports the prompt's prefix-cache hit (`prompt_tokens_details.cached_tokens`)
+as the unit's chunks carry it. When the unit caches prefixes (`ModelInfo.hash_scheme`), the
+prompt's block hashes are computed here, once per prompt (for all its `n` choices), and travel in
+the `GenerateRequest`: the request router and the unit read them instead of hashing the prompt
+again.
 
 Order of work for one request: model name -> prompt ids -> context length -> SamplingParams ->
 first engine chunk. Everything up to and including the first chunk raises `OpenAIError`, so a
@@ -301,7 +302,7 @@ class OpenAIServer:
                                 include_stop=request.include_stop_str_in_output, min_tokens=request.min_tokens,
                                 skip_special_tokens=request.skip_special_tokens)
             return Run(stream, first, output, renderer, len(ids), request.include_usage, deadline,
-                        first.num_cached_tokens, counts_prompt=index == 0)
+                       first.num_cached_tokens, counts_prompt=index == 0)
 
         if len(renderers) == 1:
             return [await start(0, renderers[0])]
