@@ -185,6 +185,7 @@ class EngineLoop:
         the requests a front gate refused since its last poll, one (prompt estimate, reason) each
         (`refused_at_door`, `absorb_door_refusals`)."""
         absorb_door_refusals(self.sched, now, refused_at_door)
+        self.sched.observe(now)  # an idle unit's regime too: it leaves OVERLOAD once nothing is refused
         return published_load(self.sched, now, self.unit_id)
 
     async def _hold(self, stream: _Stream) -> None:

@@ -72,15 +72,7 @@ from serve_app.openai.body_peek import peek_service_class
 from serve_app.openai.errors import OpenAIError
 from serve_app.openai.http_limits import DEFAULT_MAX_BODY_BYTES, JSON_ENDPOINTS, error_response
 from tidal_core import AdmissionConfig, UnitLoad
-from tidal_core.front_admission import (
-    DoorRefusal,
-    FrontAdmission,
-    FrontRefusal,
-    OnTheWay,
-    PathModel,
-    PromptSizeModel,
-    Sighting,
-)
+from tidal_core.front_admission import FrontAdmission, FrontRefusal, OnTheWay, PathModel, PromptSizeModel, Sighting
 from tidal_core.retry_spread import RetrySpread, retry_after_ms
 from tidal_core.service_class import ServiceClass
 
@@ -126,7 +118,7 @@ class FrontGate:
         self.refused: dict[str, int] = {}
         # The refusals the next poll passes on to a unit, one (prompt estimate, reason) each (its load, refusal
         # meters and `costly_prompt` sample count them); at most `MAX_UNDELIVERED` while no poll gets through.
-        self.undelivered: list[DoorRefusal] = []
+        self.undelivered: list[tuple[int, str]] = []  # `DoorRefusal`s
         self._on_refusal = on_refusal  # each 429's reason, e.g. to a counter (`serve_app.metrics.refusal_counter`)
         self._poll = poll
         self._closed = closed  # e.g. a failed unit being rebuilt: 503 at the door

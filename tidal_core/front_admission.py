@@ -67,14 +67,11 @@ it: the request router would pick the best one. The retry-after of a refusal is 
 estimate (clamped as the unit clamps it); spreading retries over time is `RetrySpread`'s
 business (tidal_core/retry_spread.py).
 
-`absorb_door_refusals` is the other way: the front end's refusals, counted in the unit's load and
-refusal meter as if they had reached it, with their prompts' estimates in its `costly_prompt`
-sample (Serve's gates pass them on with their polls).
-
-`published_load` is the snapshot a unit publishes for this: `Scheduler.snapshot` with
-`prefill_s_per_token` and `burst_s_per_token` measured as the scheduler's own marginal TTFT
-predictions, `num_arrived` and `ttft_limit_s` (the regime's limit, which the request router's
-choice reads too).
+`absorb_door_refusals` is the other way: the front end's refusals (Serve's gates pass them on with
+their polls), counted at the unit as if they had reached it. `published_load` is the snapshot a
+unit publishes for this: `Scheduler.snapshot` with `prefill_s_per_token` and `burst_s_per_token`
+measured as the scheduler's own marginal TTFT predictions, `num_arrived` and `ttft_limit_s` (the
+regime's limit, which the request router's choice reads too).
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """
@@ -136,22 +133,19 @@ def published_load(sched: Scheduler, now: float, unit_id: str = "") -> UnitLoad:
                                overload_clear_s=clear)
 
 
-DoorRefusal = tuple[int, str]
-"""A request a front end refused at the door: (its prompt tokens, estimated; the rule's reason)."""
+DoorRefusal = tuple[int, str]  # a request refused at the door: (its prompt tokens, estimated; the rule)
 
 
 def absorb_door_refusals(sched: Scheduler, now: float, refused: Sequence[DoorRefusal]) -> None:
     """The requests a front end refused at the door for `sched`'s unit since it last said
-    (`FrontAdmission` refuses only what every unit would), one (prompt estimate, reason) each:
-    they count as the unit's arrivals in its load estimate and, refused, in its refusal meters
-    (the regime's counts those refused for the work ahead, core/regime.py), as they would had they
-    reached it. Without this the unit's load saw only what the door let
-    through, about its capacity in any overload, so its regime stayed short of OVERLOAD and an
-    autoscaler reading its load and refusals missed the demand turned away. Their prompts, less
-    what the unit's cache would hold of each (its `cached_fit`), join the `costly_prompt` rule's
-    sample (core/costly_prompts.py: a sample without the long prompts the door refused would
-    lower the limit with every refusal).
-    They do not count in `num_arrived` (the requests on the way) nor in the prompt mean."""
+    (`FrontAdmission` refuses only what every unit would): they count as the unit's arrivals in
+    its load and in its refusal meters (the regime's: those refused for the work ahead), as had
+    they reached it. Without this the unit saw only what the door let through, about its capacity
+    in any overload: its regime stayed short of OVERLOAD and an autoscaler reading its load and
+    refusals missed the demand turned away. Their prompts, less what the unit's cache would hold
+    (its `cached_fit`), join the `costly_prompt` rule's sample (without the long prompts the door
+    refused, its limit would fall with every refusal). Not counted in `num_arrived` (the requests
+    on the way) nor in the prompt mean."""
     num_refused = len(refused)
     if num_refused > 0:
         sched.load.on_arrivals_elsewhere(now, float(num_refused))

@@ -43,6 +43,11 @@ class RefusalMeter:
         self._refused = self._refused * kept + (count if refused else 0.0)
         self._t_last = max(now, self._t_last)
 
+    @property
+    def last_s(self) -> float:
+        """When the last arrival was counted (-inf before any)."""
+        return self._t_last
+
     def fraction(self, now: float) -> float:
         """The recent share of interactive arrivals refused; 0.0 when none arrived lately."""
         if self._arrived <= 0.0 or now - self._t_last > 3.0 * self.tau_s:

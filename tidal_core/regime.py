@@ -86,7 +86,10 @@ class RegimeDetector:
     def update(self, now: float, load: float, queue_delay_ratio: float, kv_usage: float) -> Regime:
         if not self.config.enabled:
             return self.regime
-        want = self.target(load, queue_delay_ratio, kv_usage, self.refusals.fraction(now))
+        # Nothing arrived for a time constant: nothing is being refused now (the share alone would
+        # not decay without arrivals, and an idle unit is not overloaded).
+        quiet = now - self.refusals.last_s > self.config.refused_tau_s
+        want = self.target(load, queue_delay_ratio, kv_usage, 0.0 if quiet else self.refusals.fraction(now))
         if want is self.regime:
             self._pending = None
         elif want is not self._pending:

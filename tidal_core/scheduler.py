@@ -46,8 +46,7 @@ from tidal_core.tpot_meter import TpotMeter
 from tidal_core.unit_view import UnitView
 
 IDLE = Idle()
-OBSERVE_PERIOD_S = 0.05
-"""How often (in `now` units) load and regime are re-evaluated at step boundaries."""
+OBSERVE_PERIOD_S = 0.05  # how often (in `now` units) load and regime are re-evaluated (`observe`)
 
 
 class Scheduler:
@@ -189,8 +188,7 @@ class Scheduler:
         if not decodes.reqs and not prefilling and not waiting and not q.batch:
             return IDLE
         cfg = self.config
-        if now >= self._next_observe_s:
-            self._observe(now)
+        self.observe(now)
         load, regime, cap = self.last_load, self.regime.regime, self.limits.running_cap
         new_block_ids: dict[str, list[int]] = {}
         lane = self.lane
@@ -288,8 +286,10 @@ class Scheduler:
             return WaitUntil(decision.deadline_s, decision.reason)
         return 0, "decode_only", decision.wait_s
 
-    def _observe(self, now: float) -> None:
-        """Refresh load and regime (a regime change needs a sustained signal anyway)."""
+    def observe(self, now: float) -> None:
+        """Refresh load and regime each `OBSERVE_PERIOD_S`: `schedule` with work, Serve's polls idle too."""
+        if now < self._next_observe_s:
+            return
         self._next_observe_s = now + OBSERVE_PERIOD_S
         self.last_load = load = self.load.load(now)
         self.regime.update(now, load, self.view.predicted_queue_delay_s(now) / self.config.admission.target_ttft_s,

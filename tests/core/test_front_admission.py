@@ -330,7 +330,7 @@ def test_the_doors_refusals_count_in_the_units_load_so_its_regime_sees_the_overl
         now = step * 0.05
         for sched in (told, blind):
             sched.load.arrivals.on_event(now, capacity * 0.05)
-            sched._observe(now)  # what every schedule() of a unit with work does each OBSERVE_PERIOD_S
+            sched.observe(now)  # what every schedule() of a unit with work does each OBSERVE_PERIOD_S
         absorb_door_refusals(told, now, [(300, "prefill_backlog")] * round(2 * capacity * 0.05 * 10)
                              if step % 10 == 0 else [])
     assert blind.current_regime is not Regime.OVERLOAD
