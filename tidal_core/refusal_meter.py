@@ -7,8 +7,8 @@ counts time-decayed (time constant `tau_s`), and their ratio is the unit's recen
 fraction: the share of requests that miss the SLO at the door. The step time
 (core/tpot_meter.py) cannot see these: the step sizer holds prefill back to keep decodes within
 their TPOT target, and what runs out is a long prompt's TTFT, so the unit refuses it. It is the
-autoscaler's third signal (core/autoscale.py). Counts older than `3 * tau_s` are dropped: a unit
-that received nothing lately reports 0.
+autoscaler's third signal (core/autoscale.py). A unit that received nothing for `quiet_taus` time
+constants (3 by default; the regime's meter, core/regime.py, 1) reports 0.
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """
@@ -26,12 +26,15 @@ within the `provisioning_s` a new unit takes."""
 
 
 class RefusalMeter:
-    __slots__ = ("_arrived", "_refused", "_t_last", "tau_s")
+    __slots__ = ("_arrived", "_refused", "_t_last", "quiet_s", "tau_s")
 
-    def __init__(self, tau_s: float = REFUSAL_TAU_S) -> None:
+    def __init__(self, tau_s: float = REFUSAL_TAU_S, quiet_taus: float = 3.0) -> None:
         if not tau_s > 0.0:
             raise ValueError(f"RefusalMeter tau_s={tau_s} must be > 0")
         self.tau_s = tau_s
+        # Both counts decay alike, so their ratio does not fall while nothing arrives: after this
+        # long without an arrival the meter reads 0 (nothing is being refused now).
+        self.quiet_s = quiet_taus * tau_s
         self._arrived = 0.0
         self._refused = 0.0
         self._t_last = -math.inf
@@ -43,13 +46,8 @@ class RefusalMeter:
         self._refused = self._refused * kept + (count if refused else 0.0)
         self._t_last = max(now, self._t_last)
 
-    @property
-    def last_s(self) -> float:
-        """When the last arrival was counted (-inf before any)."""
-        return self._t_last
-
     def fraction(self, now: float) -> float:
         """The recent share of interactive arrivals refused; 0.0 when none arrived lately."""
-        if self._arrived <= 0.0 or now - self._t_last > 3.0 * self.tau_s:
+        if self._arrived <= 0.0 or now - self._t_last > self.quiet_s:
             return 0.0
         return self._refused / self._arrived

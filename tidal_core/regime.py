@@ -64,7 +64,9 @@ class RegimeDetector:
         self.num_transitions = 0
         self._pending: Regime | None = None
         self._pending_since = now
-        self.refusals = RefusalMeter(config.refused_tau_s)  # refused for the work ahead (BACKLOG_REASONS)
+        # Refused for the work ahead (BACKLOG_REASONS); 0 after a time constant with no arrival: an
+        # idle unit is not overloaded.
+        self.refusals = RefusalMeter(config.refused_tau_s, quiet_taus=1.0)
 
     def target(self, load: float, queue_delay_ratio: float, kv_usage: float, refused: float = 0.0) -> Regime:
         """The regime the observations call for, given the current one (hysteresis)."""
@@ -86,10 +88,7 @@ class RegimeDetector:
     def update(self, now: float, load: float, queue_delay_ratio: float, kv_usage: float) -> Regime:
         if not self.config.enabled:
             return self.regime
-        # Nothing arrived for a time constant: nothing is being refused now (the share alone would
-        # not decay without arrivals, and an idle unit is not overloaded).
-        quiet = now - self.refusals.last_s > self.config.refused_tau_s
-        want = self.target(load, queue_delay_ratio, kv_usage, 0.0 if quiet else self.refusals.fraction(now))
+        want = self.target(load, queue_delay_ratio, kv_usage, self.refusals.fraction(now))
         if want is self.regime:
             self._pending = None
         elif want is not self._pending:

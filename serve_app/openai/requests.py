@@ -196,14 +196,14 @@ class CompletionRequest(SamplingFields):
         return value
 
     def prompt_inputs(self) -> list[str | list[int]]:
-        """The prompts, each as text or token ids (the validator has checked the shape): one, or a
-        batch."""
+        """The prompts, each as text or token ids: one, or a batch (`check_prompt` has checked the
+        shape and made every token id an int)."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if isinstance(p[0], (str, list)):
-            return [q if isinstance(q, str) else [int(t) for t in q] for q in p]
-        return [[int(t) for t in p]]
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
 
 
 class TextContentPart(OpenAIModel):
