@@ -113,13 +113,49 @@ class DepartureForecast:
         decodes = q.decodes
         if slots_short >= len(decodes.reqs) + len(q.prefilling) - q.num_batch_running:
             return slots_short / self.load.departure_rate(now)
-        key = (decodes.step, len(decodes.reqs), len(q.prefilling), self.load.lengths.num_finished)
+        memo = self._current()
+        steps = memo.get(slots_short)
+        if steps is None:
+            steps = memo[slots_short] = self._steps(slots_short)
+        return steps * self._step_s(now)
+
+    def first_wait_bound_s(self, now: float) -> float:
+        """An upper bound of `wait_s(now, 1)` from one running request instead of all of them:
+        the first slot frees no later than the steps until the longest-running interactive decode
+        (the first to have joined) has certainly ended: past the longest recorded output (before
+        16 have finished: its guess). Exact where the forecast is memoized, needs no forecast, or
+        where that decode leaves at the next step (then memoized)."""
+        q = self.queues
+        decodes = q.decodes
+        if len(decodes.reqs) + len(q.prefilling) - q.num_batch_running <= 1:
+            return self.wait_s(now, 1)
+        memo = self._current()
+        if 1 in memo:
+            return memo[1] * self._step_s(now)
+        oldest = next((r for r in decodes.reqs.values() if not r.is_batch), None)
+        if oldest is None:  # only batch decodes: an interactive prompt is prefilling, 0 tokens produced
+            oldest = next(r for r in q.prefilling.values() if not r.is_batch)
+            produced = 0
+        else:
+            produced = len(oldest.output_token_ids)
+        lengths = self.load.lengths.sorted
+        last = min(oldest.sampling.max_tokens, OUTPUT_GUESS) if lengths is None else lengths[-1]
+        steps = last - produced
+        if steps <= 1:  # it leaves at the next step: no forecast is shorter
+            steps = memo[1] = 1
+        return steps * self._step_s(now)
+
+    def _current(self) -> dict[int, int]:
+        """The memo of forecasts (slots -> steps), emptied when the running set has moved."""
+        q = self.queues
+        key = (q.decodes.step, len(q.decodes.reqs), len(q.prefilling), self.load.lengths.num_finished)
         if key != self._key:
             self._key, self._memo, self._running = key, {}, None
-        steps = self._memo.get(slots_short)
-        if steps is None:
-            steps = self._memo[slots_short] = self._steps(slots_short)
-        return steps * (self.tpot.tpot_s(now) or self.load.service.step_time(0, max(1, len(decodes.reqs))))
+        return self._memo
+
+    def _step_s(self, now: float) -> float:
+        """The time of one decode step: measured per output token, else the step model's."""
+        return self.tpot.tpot_s(now) or self.load.service.step_time(0, max(1, len(self.queues.decodes.reqs)))
 
     def _steps(self, j: int) -> int:
         running = self._running

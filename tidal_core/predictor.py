@@ -59,6 +59,9 @@ Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall cl
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 from tidal_core.admission import AloneFit, TtftAim
 from tidal_core.load import LoadEstimator
 from tidal_core.request import Request
@@ -86,7 +89,9 @@ class TtftPredictor:
     def predict_pair(self, now: float, backlog_tokens: int, num_decodes: int, slots_short: int, budget: int,
                      batch_s: float = 0.0, decodes_after: int | None = None, aim_s: float | None = None,
                      defer: bool = True, slot_s: float | None = None, own_s: float = 0.0,
-                     first_slot_s: float | None = None, slot_tokens: int = 0) -> tuple[float, float]:
+                     first_slot_s: float | Callable[[], float] | None = None, slot_tokens: int = 0,
+                     first_slot_bound_s: float = math.inf,
+                     reads_alike: Callable[[float, float], bool] | None = None) -> tuple[float, float]:
         """(raw, corrected): `batch_s` (what batch-class work in the step in flight adds before
         the next step) plus the longest of three waits that overlap:
         - until `backlog_tokens` of prompts are computed (while the `num_decodes` decodes grow to
@@ -97,7 +102,12 @@ class TtftPredictor:
           the request's own prefill `own_s`;
         - with `first_slot_s`: until the first queued prompt short of a slot gets one, then the
           `slot_tokens` of the prompts from it on, the request's own included (their share of the
-          backlog's time).
+          backlog's time). `first_slot_s` may be a function, called only where an upper bound
+          of its answer (`first_slot_bound_s`) could make this the longest wait: the forecast
+          reads every running request, and behind a deep queue the own slot's wait rules. Nor
+          where `reads_alike(lo, hi)` says the caller reads every corrected prediction between
+          the bounds without it and with the bound alike (the regime, which compares it with its
+          marks): then both are those lower bounds.
         The correction scales the prefill times, not the slot waits: it is learned mostly where
         prefill rules, and the slot forecast is already measured (core/departures.py)."""
         load = self.load
@@ -113,7 +123,17 @@ class TtftPredictor:
             slot_s = slots_short / load.departure_rate(now)
         first_s = behind_s = 0.0
         if first_slot_s is not None and slot_tokens > 0 and backlog_tokens > 0:
-            first_s, behind_s = first_slot_s, prefill_s * min(1.0, slot_tokens / backlog_tokens)
+            behind_s = prefill_s * min(1.0, slot_tokens / backlog_tokens)
+            if not callable(first_slot_s):
+                first_s = first_slot_s
+            elif ((first_slot_bound_s + behind_s > max(prefill_s, slot_s + own_s)
+                   or first_slot_bound_s + c * behind_s > max(c * prefill_s, slot_s + c * own_s))
+                  and (reads_alike is None or not reads_alike(
+                      c * batch_s + max(c * prefill_s, slot_s + c * own_s),
+                      c * batch_s + max(c * prefill_s, slot_s + c * own_s, first_slot_bound_s + c * behind_s)))):
+                first_s = first_slot_s()
+            else:  # it cannot be the longest wait (both maxima are the same without it), or reads alike
+                behind_s = 0.0
         return (batch_s + max(prefill_s, slot_s + own_s, first_s + behind_s),
                 c * batch_s + max(c * prefill_s, slot_s + c * own_s, first_s + c * behind_s))
 

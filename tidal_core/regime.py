@@ -85,6 +85,13 @@ class RegimeDetector:
             return _STEADY if load > c.light_exit else _LIGHT
         return _LIGHT if load < c.light_enter and queue_delay_ratio < c.queue_delay_exit else _STEADY
 
+    def reads_alike(self, low: float, high: float) -> bool:
+        """Whether every queue delay ratio from `low` to `high` reads the same in `target`: it is
+        compared only with the two marks."""
+        c = self.config
+        return (high < c.queue_delay_exit or low >= c.queue_delay_overload
+                or (low >= c.queue_delay_exit and high < c.queue_delay_overload))
+
     def update(self, now: float, load: float, queue_delay_ratio: float, kv_usage: float) -> Regime:
         if not self.config.enabled:
             return self.regime

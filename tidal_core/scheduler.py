@@ -292,8 +292,7 @@ class Scheduler:
             return
         self._next_observe_s = now + OBSERVE_PERIOD_S
         self.last_load = load = self.load.load(now)
-        self.regime.update(now, load, self.view.predicted_queue_delay_s(now) / self.config.admission.target_ttft_s,
-                           self.blocks.usage() - self.q.batch_kv_usage())
+        self.regime.update(now, load, self.view.regime_delay_ratio(now), self.blocks.usage() - self.q.batch_kv_usage())
 
     def check_integrity(self) -> None:
         """Every invariant the scheduler relies on; tests call it after every operation."""

@@ -18,6 +18,10 @@ Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall cl
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from functools import partial
+
 from tidal_core.admission import UnitState
 from tidal_core.batch_lane import BatchLane
 from tidal_core.config import SchedulerConfig
@@ -34,8 +38,8 @@ from tidal_core.tpot_meter import TpotMeter
 
 
 class UnitView:
-    __slots__ = ("_max_tokens", "_sheds_costly", "_target_tpot_s", "departures", "lane", "limits", "load", "predictor",
-                 "queues", "refusals", "regime", "tpot")
+    __slots__ = ("_max_tokens", "_sheds_costly", "_target_tpot_s", "_target_ttft_s", "departures", "lane", "limits",
+                 "load", "predictor", "queues", "refusals", "regime", "tpot")
 
     def __init__(self, config: SchedulerConfig, queues: UnitQueues, load: LoadEstimator, predictor: TtftPredictor,
                  regime: RegimeDetector, limits: StepLimits, tpot: TpotMeter, lane: BatchLane | None = None,
@@ -47,6 +51,7 @@ class UnitView:
         self.departures = DepartureForecast(queues, load, tpot)
         self._max_tokens = config.max_num_batched_tokens
         self._target_tpot_s = config.admission.target_tpot_s or 0.0
+        self._target_ttft_s = config.admission.target_ttft_s
         self._sheds_costly = config.admission.shed_costly_prompts_in_overload  # only its rule reads the overload
 
     def backlog_prefill_tokens(self) -> int:
@@ -64,8 +69,18 @@ class UnitView:
         raw, fixed = self.predicted_pair(now, own_prompt_tokens, own_requests)
         return fixed if corrected else raw
 
-    def predicted_pair(self, now: float, own_prompt_tokens: int = 0, own_requests: int = 1) -> tuple[float, float]:
-        """`predicted_queue_delay_s` raw and corrected, from one evaluation."""
+    def regime_delay_ratio(self, now: float) -> float:
+        """`predicted_queue_delay_s` / the TTFT target, as the regime reads it: against its marks
+        (`RegimeDetector.reads_alike`), so a bound reads the same as the exact ratio wherever
+        `TtftPredictor.predict_pair` finds that it does (`reads_alike`)."""
+        target, regime = self._target_ttft_s, self.regime
+        alike = lambda lo, hi: regime.reads_alike(lo / target, hi / target)  # noqa: E731
+        return self.predicted_pair(now, reads_alike=alike)[1] / target
+
+    def predicted_pair(self, now: float, own_prompt_tokens: int = 0, own_requests: int = 1,
+                       reads_alike: Callable[[float, float], bool] | None = None) -> tuple[float, float]:
+        """`predicted_queue_delay_s` raw and corrected, from one evaluation (see `reads_alike` in
+        `TtftPredictor.predict_pair`)."""
         q, limits = self.queues, self.limits
         n_dec = len(q.decodes.reqs)
         own_requests = own_requests if own_prompt_tokens else 0
@@ -78,11 +93,16 @@ class UnitView:
         after = n_dec + len(q.waiting) + len(q.prefilling) + own_requests
         cap = limits.running_cap if limits.running_cap > n_dec else n_dec
         sizer = limits.sizer
-        slot_s = first_slot_s = None
-        own_s, slot_tokens = 0.0, 0
+        slot_s: float | None = None
+        first_slot_s: float | Callable[[], float] | None = None
+        own_s, slot_tokens, first_bound_s = 0.0, 0, math.inf
         if slots_short > 0:  # the wait for a slot: its own (the last), and the first queued prompt's
-            slot_s = self.departures.wait_s(now, slots_short)
-            first_slot_s = self.departures.wait_s(now, 1) if slots_short > 1 else slot_s
+            departures = self.departures
+            slot_s = departures.wait_s(now, slots_short)
+            if slots_short > 1:  # forecast only where it could rule (`predict_pair`)
+                first_slot_s, first_bound_s = partial(departures.wait_s, now, 1), departures.first_wait_bound_s(now)
+            else:
+                first_slot_s = slot_s
             own_s = self.alone_prefill_s(own_prompt_tokens // own_requests) if own_requests else 0.0
             queued = min(len(q.waiting), slots_short - max(1, own_requests))  # the queued prompts short of a slot
             slot_tokens = own_prompt_tokens + (q.waiting_tokens * queued // len(q.waiting) if queued > 0 else 0)
@@ -90,7 +110,8 @@ class UnitView:
                                            self._max_tokens, self.lane.delay_s(now) if self.lane is not None else 0.0,
                                            after if after < cap else cap, sizer.aim_s if sizer is not None else None,
                                            slot_s=slot_s, own_s=own_s, first_slot_s=first_slot_s,
-                                           slot_tokens=slot_tokens)
+                                           slot_tokens=slot_tokens, first_slot_bound_s=first_bound_s,
+                                           reads_alike=reads_alike)
 
     def unit_state(self, now: float, req: Request, queue_delay_s: float | None = None) -> UnitState:
         """What admission sees for `req`; its predicted TTFT is the client's: time spent before the

@@ -4,11 +4,15 @@ slots a steady one would free."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.helpers import FakeExecutor
-from tidal_core import AdmissionConfig, Request, SamplingParams, Scheduler, SchedulerConfig, ServicePrior, preset
-from tidal_core.departures import steps_until
+from tidal_core import AdmissionConfig, Request, Run, SamplingParams, Scheduler, SchedulerConfig, ServicePrior, preset
+from tidal_core.departures import DepartureForecast, steps_until
 from tidal_core.load import LENGTHS_KEPT, MIN_FINISHED, OutputLengths
 
 
@@ -109,3 +113,42 @@ def test_behind_a_batch_that_leaves_at_once_the_backlog_drains_after_the_slots_f
     assert s.add_request(Request("long", 1500, SamplingParams(max_tokens=8), now), now) is None
     backlog_s = s.load.service.drain_time(1500 + 16, 4, 4, 512)
     assert s.predicted_queue_delay_s(now, 16, corrected=False) == pytest.approx(0.25 + backlog_s, rel=0.02)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), cap=st.sampled_from([4, 16, 48]), finished=st.booleans())
+def test_the_bounds_that_spare_the_forecast_never_change_a_reading(seed: int, cap: int, finished: bool) -> None:
+    # A unit kept past its running cap (a queue short of slots), with every request's length its
+    # own: at every step the first slot's bound is at least the forecast (equal where it says one
+    # step), and the regime reads the lazily formed delay ratio as it reads the exact one.
+    rng = random.Random(seed)
+    cfg = preset("adaptive", SchedulerConfig(max_batch_size=cap, max_num_batched_tokens=512, num_kv_blocks=4096,
+                                             block_size=16, max_model_len=4096,
+                                             service_prior=ServicePrior(0.005, 0.0001, 0.0002)),
+                 admission=AdmissionConfig(target_ttft_s=rng.choice([0.05, 0.5, 5.0]), max_queue_len=10**6))
+    s, ex, now, n = Scheduler(cfg), FakeExecutor(), 0.0, 0
+    if finished:  # a recorded distribution, else each request's guess
+        for _ in range(MIN_FINISHED):
+            s.load.on_finish(now, rng.randint(1, 120))
+    checked = 0
+    for _ in range(150):
+        for _ in range(rng.choice([0, 0, 1, 3])):
+            s.add_request(Request(f"r{n}", rng.randint(8, 300), SamplingParams(max_tokens=rng.randint(1, 150),
+                                                                                 ignore_eos=True), now), now)
+            n += 1
+        view = s.view
+        fresh = DepartureForecast(view.queues, view.load, view.tpot)
+        if s.num_running > 1:
+            exact = DepartureForecast(view.queues, view.load, view.tpot).wait_s(now, 1)
+            bound = fresh.first_wait_bound_s(now)
+            assert bound >= exact
+            assert fresh.wait_s(now, 1) == exact  # what the bound memoized
+            checked += 1
+        target = cfg.admission.target_ttft_s
+        lazy, ratio = view.regime_delay_ratio(now), s.predicted_queue_delay_s(now) / target
+        assert lazy <= ratio + 1e-12 and s.regime.target(1.0, lazy, 0.0) is s.regime.target(1.0, ratio, 0.0)
+        d = s.schedule(now)
+        now += 0.01
+        if isinstance(d, Run):
+            s.on_step_done(d.plan, ex.execute(d.plan), now)
+    assert checked > 20

@@ -93,6 +93,43 @@ def test_prompts_short_of_a_slot_prefill_after_the_first_frees() -> None:
         pytest.approx(max(backlog, 1.25))  # slots free early: the backlog or the own slot rules
 
 
+def test_the_first_slot_forecast_is_asked_for_only_where_it_could_rule() -> None:
+    p = _predictor()
+    for _ in range(50):
+        p.observe(1.0, 0.5, 0.5, 1.0)  # a correction other than 1, so both bounds are checked
+    calls: list[float] = []
+
+    def forecast(value: float):  # type: ignore[no-untyped-def]
+        def wait_s() -> float:
+            calls.append(value)
+            return value
+        return wait_s
+
+    def both(slot_s: float, first_s: float, bound_s: float) -> tuple[tuple[float, float], tuple[float, float]]:
+        args = (1.0, 8000, 64, 5, 1000)
+        kw = {"slot_s": slot_s, "own_s": 0.05, "slot_tokens": 6000}
+        return (p.predict_pair(*args, **kw, first_slot_s=forecast(first_s), first_slot_bound_s=bound_s),  # type: ignore[arg-type]
+                p.predict_pair(*args, **kw, first_slot_s=first_s))  # type: ignore[arg-type]
+
+    lazy, exact = both(1.2, 1.0, 3.0)  # the bound could rule: the forecast is asked for
+    assert lazy == exact and calls == [1.0]
+    lazy, exact = both(100.0, 1.0, 3.0)  # behind a deep queue the own slot's wait rules: it is not
+    assert lazy == exact and calls == [1.0]
+    lazy, exact = both(1.2, 1.0, 1.0)  # an exact bound is still asked for where it could rule
+    assert lazy == exact and calls == [1.0, 1.0]
+
+    # A reader of marks: asked for only where the bounds read differently.
+    read: list[tuple[float, float]] = []
+    args = (1.0, 8000, 64, 5, 1000)
+    kw = {"slot_s": 1.2, "own_s": 0.05, "slot_tokens": 6000, "first_slot_s": forecast(2.0), "first_slot_bound_s": 3.0}
+    low = p.predict_pair(*args, **kw, reads_alike=lambda lo, hi: read.append((lo, hi)) or True)  # type: ignore[arg-type,func-returns-value]
+    assert calls == [1.0, 1.0] and low == p.predict_pair(*args, slot_s=1.2, own_s=0.05)  # the lower bounds
+    assert read[0][0] == low[1] < read[0][1]
+    assert p.predict_pair(*args, **kw, reads_alike=lambda lo, hi: False) == \
+        p.predict_pair(*args, slot_s=1.2, own_s=0.05, slot_tokens=6000, first_slot_s=2.0)  # type: ignore[arg-type]
+    assert calls == [1.0, 1.0, 2.0]
+
+
 def test_the_correction_scales_the_prefill_not_the_slot_wait() -> None:
     p = _predictor()
     for _ in range(200):  # the model keeps predicting half of what is measured

@@ -4,6 +4,8 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from calibration.cost_model import CostModel
 from loadgen.records import Trace
@@ -49,6 +51,24 @@ def test_stationary_noise_does_not_flap() -> None:
             t += 0.1
             det.update(t, max(0.0, rng.gauss(centre, 0.04)), 0.0, 0.2)
         assert det.num_transitions <= 6, (centre, det.num_transitions)
+
+
+@given(low=st.floats(0.0, 3.0), width=st.floats(0.0, 3.0), share=st.floats(0.0, 1.0), load=st.floats(0.0, 1.5),
+       kv=st.floats(0.0, 1.0), regime=st.sampled_from(list(Regime)))
+def test_delay_ratios_it_reads_alike_lead_to_the_same_regime(low: float, width: float, share: float, load: float,
+                                                             kv: float, regime: Regime) -> None:
+    # `reads_alike` lets the TTFT predictor stop at bounds (core/unit_view.py): any ratio between
+    # bounds it reads alike must call for the regime either bound does, from every regime.
+    det = RegimeDetector(RegimeConfig())
+    det.regime = regime
+    high = low + width
+    if det.reads_alike(low, high):
+        x = low + share * width
+        assert det.target(load, x, kv) is det.target(load, low, kv) is det.target(load, high, kv)
+    c = det.config
+    assert det.reads_alike(0.0, c.queue_delay_exit / 2) and det.reads_alike(c.queue_delay_overload, 1e9)
+    assert not det.reads_alike(c.queue_delay_exit / 2, c.queue_delay_exit)  # they straddle a mark
+    assert not det.reads_alike(c.queue_delay_exit, c.queue_delay_overload)
 
 
 def test_invalid_thresholds_are_rejected_with_the_value_named() -> None:

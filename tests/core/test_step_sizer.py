@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tidal_core import ServicePrior, StepSizingConfig
 from tidal_core.load import ServiceModel
@@ -88,6 +90,20 @@ def test_borrow_tables_read_what_requests_went_on_to_produce() -> None:
     table = remaining_quantiles([2, 11, 101], 0.0)
     assert table[0] == 1 and table[1] == 9 and table[10] == 90 and len(table) == 100
     assert remaining_quantiles([], 0.1) == ()
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=st.lists(st.one_of(st.integers(1, 4), st.integers(1, 3000)), max_size=80),
+       quantile=st.sampled_from([0.0, 0.01, 0.2, 0.5, 0.999]), less=st.integers(0, 1))
+def test_the_borrow_table_is_each_tokens_quantile_of_what_the_survivors_had_left(lengths: list[int], quantile: float,
+                                                                                 less: int) -> None:
+    # The table is built a run per recorded length; read token by token, it is the definition.
+    decoded = sorted(n - 1 for n in lengths)
+    expected = []
+    for k in range(decoded[-1] if decoded else 0):
+        left = [d - k for d in decoded if d > k]
+        expected.append(left[int(quantile * (len(left) - 1))] - less)
+    assert remaining_quantiles(lengths, quantile, less) == tuple(expected)
 
 
 def test_a_young_decode_borrows_against_what_requests_like_it_produce() -> None:
