@@ -126,14 +126,15 @@ class TtftPredictor:
             behind_s = prefill_s * min(1.0, slot_tokens / backlog_tokens)
             if not callable(first_slot_s):
                 first_s = first_slot_s
-            elif ((first_slot_bound_s + behind_s > max(prefill_s, slot_s + own_s)
-                   or first_slot_bound_s + c * behind_s > max(c * prefill_s, slot_s + c * own_s))
-                  and (reads_alike is None or not reads_alike(
-                      c * batch_s + max(c * prefill_s, slot_s + c * own_s),
-                      c * batch_s + max(c * prefill_s, slot_s + c * own_s, first_slot_bound_s + c * behind_s)))):
-                first_s = first_slot_s()
-            else:  # it cannot be the longest wait (both maxima are the same without it), or reads alike
-                behind_s = 0.0
+            else:  # formed only where it could change the answer
+                others = max(c * prefill_s, slot_s + c * own_s)
+                could_rule = (first_slot_bound_s + behind_s > max(prefill_s, slot_s + own_s)
+                              or first_slot_bound_s + c * behind_s > others)
+                if could_rule and (reads_alike is None or not reads_alike(
+                        c * batch_s + others, c * batch_s + max(others, first_slot_bound_s + c * behind_s))):
+                    first_s = first_slot_s()
+                else:  # both maxima are the same without it, or the caller reads them alike
+                    behind_s = 0.0
         return (batch_s + max(prefill_s, slot_s + own_s, first_s + behind_s),
                 c * batch_s + max(c * prefill_s, slot_s + c * own_s, first_s + c * behind_s))
 
