@@ -83,29 +83,38 @@ _NO_BORROW: tuple[int, ...] = ()
 
 def remaining_quantiles(lengths: list[int], quantile: float, less: int = 0) -> tuple[int, ...]:
     """`m(k) - less` for k = 0..max: `m(k)` the `quantile` of (decode tokens - k) over requests with
-    more than k decode tokens (a request's first token is its prefill's; it decodes `length - 1`).
-    Between two recorded lengths the survivors are the same, so `m` falls by one a token: the table
-    is built a run of `range` per distinct length, not a search per token (a refresh of both
-    tables with 512 lengths up to 512 tokens took ~0.5 ms that way)."""
+    more than k decode tokens (a request's first token is its prefill's; it decodes `length - 1`)."""
+    return _quantile_tables(lengths, (quantile,), less)[0]
+
+
+def _quantile_tables(lengths: list[int], quantiles: tuple[float, ...], less: int) -> list[tuple[int, ...]]:
+    """`remaining_quantiles` for each of `quantiles`, from one sort. Between two recorded lengths
+    the survivors are the same, so `m` falls by one a token: each table is built a run of `range`
+    per distinct length, not a search per token (a refresh of both tables, 512 lengths of up to
+    512 tokens, took ~0.5 ms that way on the bench's box)."""
     decoded = sorted(n - 1 for n in lengths)
     total = len(decoded)
     if not decoded:
-        return _NO_BORROW
-    table: list[int] = []
+        return [_NO_BORROW for _ in quantiles]
+    tables: list[list[int]] = [[] for _ in quantiles]
     k, top = 0, decoded[-1]
     first = bisect.bisect_right(decoded, 0)  # survivors: decoded[first:] > k
     while k < top:
-        end = decoded[first]  # the survivors stay the same up to the next recorded length
-        m = decoded[first + int(quantile * (total - first - 1))] - less
-        table.extend(range(m - k, m - end, -1))
+        end, span = decoded[first], total - first - 1  # the survivors stay the same up to `end`
+        for quantile, table in zip(quantiles, tables, strict=True):
+            m = decoded[first + int(quantile * span)] - less
+            table.extend(range(m - k, m - end, -1))
         k = end
         first = bisect.bisect_right(decoded, k, first)
-    return tuple(table)
+    return [tuple(table) for table in tables]
 
 
-def _past_this_step(lengths: list[int], quantile: float) -> tuple[int, ...]:
-    """`m(k) - 1`: the tokens past the current one a decode at `k` may borrow against (none at 0)."""
-    return remaining_quantiles(lengths, quantile, 1) if quantile else _NO_BORROW
+def _past_this_step(lengths: list[int], borrow: float, pressure: float) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`m(k) - 1` at the `borrow` and `pressure` quantiles: the tokens past the current one a decode
+    at `k` may borrow against (none at quantile 0)."""
+    wanted = tuple(q for q in (borrow, pressure) if q)
+    tables = dict(zip(wanted, _quantile_tables(lengths, wanted, 1), strict=True))
+    return tables.get(borrow, _NO_BORROW), tables.get(pressure, _NO_BORROW)
 
 
 class StepSizer:
@@ -255,8 +264,8 @@ class StepSizer:
                 or (self._refresh_now and self._num_finished > _MIN_FINISHED)):
             self._refresh_now = False
             cfg, scale = self.config, self.borrow_scale
-            self.borrow = _past_this_step(lengths, cfg.borrow_quantile * scale)
-            self.pressure = _past_this_step(lengths, cfg.pressure_quantile * scale)
+            self.borrow, self.pressure = _past_this_step(lengths, cfg.borrow_quantile * scale,
+                                                         cfg.pressure_quantile * scale)
 
     def bank_s(self, rid: str) -> float | None:
         """`rid`'s bank: seconds its tokens came in under the aim so far (None if not decoding)."""

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tidal_core import ServicePrior, StepSizingConfig
 from tidal_core.load import ServiceModel
-from tidal_core.step_sizer import UNLIMITED, StepSizer, remaining_quantiles
+from tidal_core.step_sizer import UNLIMITED, StepSizer, _past_this_step, remaining_quantiles
 
 # 20 ms per step, 1 ms per decode, 0.1 ms per prefill token, no fixed prefill cost.
 SVC = ServiceModel(ServicePrior(step_overhead_s=0.020, prefill_s_per_token=0.0001, decode_s_per_seq=0.001,
@@ -104,6 +104,10 @@ def test_the_borrow_table_is_each_tokens_quantile_of_what_the_survivors_had_left
         left = [d - k for d in decoded if d > k]
         expected.append(left[int(quantile * (len(left) - 1))] - less)
     assert remaining_quantiles(lengths, quantile, less) == tuple(expected)
+    # The sizer's two tables come from one pass; a quantile of 0 lends nothing.
+    borrow, pressure = _past_this_step(lengths, quantile, 0.5)
+    assert borrow == (remaining_quantiles(lengths, quantile, 1) if quantile else ())
+    assert pressure == remaining_quantiles(lengths, 0.5, 1)
 
 
 def test_a_young_decode_borrows_against_what_requests_like_it_produce() -> None:
