@@ -3,6 +3,9 @@ prefill speed, batch slots, its error."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import pytest
 
 from tidal_core import Request, SamplingParams, ServicePrior
@@ -99,35 +102,32 @@ def test_the_first_slot_forecast_is_asked_for_only_where_it_could_rule() -> None
         p.observe(1.0, 0.5, 0.5, 1.0)  # a correction other than 1, so both bounds are checked
     calls: list[float] = []
 
-    def forecast(value: float):  # type: ignore[no-untyped-def]
+    def forecast(value: float) -> Callable[[], float]:
         def wait_s() -> float:
             calls.append(value)
             return value
         return wait_s
 
-    def both(slot_s: float, first_s: float, bound_s: float) -> tuple[tuple[float, float], tuple[float, float]]:
-        args = (1.0, 8000, 64, 5, 1000)
-        kw = {"slot_s": slot_s, "own_s": 0.05, "slot_tokens": 6000}
-        return (p.predict_pair(*args, **kw, first_slot_s=forecast(first_s), first_slot_bound_s=bound_s),  # type: ignore[arg-type]
-                p.predict_pair(*args, **kw, first_slot_s=first_s))  # type: ignore[arg-type]
+    def pair(slot_s: float, first: float | Callable[[], float], bound_s: float = math.inf,
+             reads_alike: Callable[[float, float], bool] | None = None) -> tuple[float, float]:
+        return p.predict_pair(1.0, 8000, 64, 5, 1000, slot_s=slot_s, own_s=0.05, slot_tokens=6000, first_slot_s=first,
+                              first_slot_bound_s=bound_s, reads_alike=reads_alike)
 
-    lazy, exact = both(1.2, 1.0, 3.0)  # the bound could rule: the forecast is asked for
-    assert lazy == exact and calls == [1.0]
-    lazy, exact = both(100.0, 1.0, 3.0)  # behind a deep queue the own slot's wait rules: it is not
-    assert lazy == exact and calls == [1.0]
-    lazy, exact = both(1.2, 1.0, 1.0)  # an exact bound is still asked for where it could rule
-    assert lazy == exact and calls == [1.0, 1.0]
+    assert pair(1.2, forecast(1.0), 3.0) == pair(1.2, 1.0) and calls == [1.0]  # the bound could rule: asked for
+    assert pair(100.0, forecast(1.0), 3.0) == pair(100.0, 1.0) and calls == [1.0]  # a deep queue's own slot rules
+    assert pair(1.2, forecast(1.0), 1.0) == pair(1.2, 1.0) and calls == [1.0, 1.0]  # an exact bound that could rule
 
     # A reader of marks: asked for only where the bounds read differently.
     read: list[tuple[float, float]] = []
-    args = (1.0, 8000, 64, 5, 1000)
-    kw = {"slot_s": 1.2, "own_s": 0.05, "slot_tokens": 6000, "first_slot_s": forecast(2.0), "first_slot_bound_s": 3.0}
-    low = p.predict_pair(*args, **kw, reads_alike=lambda lo, hi: read.append((lo, hi)) or True)  # type: ignore[arg-type,func-returns-value]
-    assert calls == [1.0, 1.0] and low == p.predict_pair(*args, slot_s=1.2, own_s=0.05)  # the lower bounds
+
+    def alike(lo: float, hi: float) -> bool:
+        read.append((lo, hi))
+        return True
+
+    low = pair(1.2, forecast(2.0), 3.0, alike)
+    assert calls == [1.0, 1.0] and low == p.predict_pair(1.0, 8000, 64, 5, 1000, slot_s=1.2, own_s=0.05)  # lower bounds
     assert read[0][0] == low[1] < read[0][1]
-    assert p.predict_pair(*args, **kw, reads_alike=lambda lo, hi: False) == \
-        p.predict_pair(*args, slot_s=1.2, own_s=0.05, slot_tokens=6000, first_slot_s=2.0)  # type: ignore[arg-type]
-    assert calls == [1.0, 1.0, 2.0]
+    assert pair(1.2, forecast(2.0), 3.0, lambda lo, hi: False) == pair(1.2, 2.0) and calls == [1.0, 1.0, 2.0]
 
 
 def test_the_correction_scales_the_prefill_not_the_slot_wait() -> None:
