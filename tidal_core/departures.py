@@ -109,9 +109,7 @@ class DepartureForecast:
     def wait_s(self, now: float, slots_short: int) -> float:
         """Seconds until `slots_short` (> 0) running interactive requests have left; a queue that
         needs the whole running batch to turn over waits at the measured departure rate."""
-        q = self.queues
-        decodes = q.decodes
-        if slots_short >= len(decodes.reqs) + len(q.prefilling) - q.num_batch_running:
+        if slots_short >= self._num_running():
             return slots_short / self.load.departure_rate(now)
         memo = self._current()
         steps = memo.get(slots_short)
@@ -125,14 +123,13 @@ class DepartureForecast:
         (the first to have joined) has certainly ended: past the longest recorded output (before
         16 have finished: its guess). Exact where the forecast is memoized, needs no forecast, or
         where that decode leaves at the next step (then memoized)."""
-        q = self.queues
-        decodes = q.decodes
-        if len(decodes.reqs) + len(q.prefilling) - q.num_batch_running <= 1:
+        if self._num_running() <= 1:
             return self.wait_s(now, 1)
         memo = self._current()
         if 1 in memo:
             return memo[1] * self._step_s(now)
-        oldest = next((r for r in decodes.reqs.values() if not r.is_batch), None)
+        q = self.queues
+        oldest = next((r for r in q.decodes.reqs.values() if not r.is_batch), None)
         if oldest is None:  # only batch decodes: an interactive prompt is prefilling, 0 tokens produced
             oldest = next(r for r in q.prefilling.values() if not r.is_batch)
             produced = 0
@@ -144,6 +141,11 @@ class DepartureForecast:
         if steps <= 1:  # it leaves at the next step: no forecast is shorter
             steps = memo[1] = 1
         return steps * self._step_s(now)
+
+    def _num_running(self) -> int:
+        """The running interactive requests (batch-class ones yield their slots)."""
+        q = self.queues
+        return len(q.decodes.reqs) + len(q.prefilling) - q.num_batch_running
 
     def _current(self) -> dict[int, int]:
         """The memo of forecasts (slots -> steps), emptied when the running set has moved."""

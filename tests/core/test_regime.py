@@ -106,7 +106,6 @@ def test_refusals_for_the_work_ahead_alone_mean_overload_and_their_end_leaves_it
     assert 0.5 * cfg.refused_tau_s < left < 2 * cfg.refused_tau_s  # about tau x ln(share / exit mark)
 
 
-
 def test_a_unit_nothing_arrives_at_leaves_overload_after_one_time_constant() -> None:
     """The share of refusals does not decay without arrivals (both counts decay alike), and an idle
     unit is not overloaded: after `refused_tau_s` with no arrival it reads 0."""
@@ -119,6 +118,7 @@ def test_a_unit_nothing_arrives_at_leaves_overload_after_one_time_constant() -> 
     assert det.update(9.9 + 0.9 * cfg.refused_tau_s, 0.3, 0.0, 0.1) is Regime.OVERLOAD
     assert det.refusals.fraction(9.9 + 0.9 * cfg.refused_tau_s) == pytest.approx(0.9, abs=0.01)
     assert det.update(9.9 + 1.1 * cfg.refused_tau_s, 0.3, 0.0, 0.1) is Regime.STEADY
+
 
 def test_refusal_marks_are_validated_and_above_one_turn_the_signal_off() -> None:
     with pytest.raises(ValueError, match="refused_exit"):
