@@ -89,21 +89,25 @@ def remaining_quantiles(lengths: list[int], quantile: float, less: int = 0) -> t
 
 def _quantile_tables(lengths: list[int], quantiles: tuple[float, ...], less: int) -> list[tuple[int, ...]]:
     """`remaining_quantiles` for each of `quantiles`, from one sort. Between two recorded lengths
-    the survivors are the same, so `m` falls by one a token: each table is built a run of `range`
-    per distinct length, not a search per token (a refresh of both tables, 512 lengths of up to
-    512 tokens, took ~0.5 ms that way on the bench's box)."""
+    the survivors are the same, so `m` falls by one a token: each table is built a run per distinct
+    length, not a search per token (`python benchmarks/scheduler_parts.py`)."""
     decoded = sorted(n - 1 for n in lengths)
     total = len(decoded)
     if not decoded:
         return [_NO_BORROW for _ in quantiles]
     tables: list[list[int]] = [[] for _ in quantiles]
+    pairs = list(zip(quantiles, tables, strict=True))
     k, top = 0, decoded[-1]
     first = bisect.bisect_right(decoded, 0)  # survivors: decoded[first:] > k
     while k < top:
         end, span = decoded[first], total - first - 1  # the survivors stay the same up to `end`
-        for quantile, table in zip(quantiles, tables, strict=True):
-            m = decoded[first + int(quantile * span)] - less
-            table.extend(range(m - k, m - end, -1))
+        if end - k == 1:  # a run of one token (dense lengths): no `range` to build
+            for quantile, table in pairs:
+                table.append(decoded[first + int(quantile * span)] - less - k)
+        else:
+            for quantile, table in pairs:
+                m = decoded[first + int(quantile * span)] - less
+                table.extend(range(m - k, m - end, -1))
         k = end
         first = bisect.bisect_right(decoded, k, first)
     return [tuple(table) for table in tables]
