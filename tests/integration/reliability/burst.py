@@ -137,7 +137,8 @@ async def run_burst(url: str, model: str, spec: BurstSpec, client_kind: str = "h
             {"sent_s": sent - t0, "status": response.status_code, "headers_ms": (time.perf_counter() - sent) * 1e3,
              "retry_after": response.headers.get("retry-after"),
              "retry_after_ms": response.headers.get("retry-after-ms"),
-             "refused_by": response.headers.get("x-tidal-refused-by")})
+             "refused_by": response.headers.get("x-tidal-refused-by"),
+             "code": response.headers.get("x-tidal-refusal-reason")})  # the body's code, without reading it here
 
     hooks = {"request": [on_request], "response": [on_response]} if client_kind == "openai" else {}
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=UNLIMITED, event_hooks=hooks) as http:
@@ -208,6 +209,8 @@ def burst_figures(run: dict[str, Any], target_ttft_s: float = 1.0) -> dict[str, 
                        "max": _pct(refusals, 100)},
         "refused_by": _count(a.get("refused_by") or "unmarked" for a in tries if a["status"] in (429, 503)),
         "refusal_ms_by_where": {w: {"p50": _pct(v, 50), "p99": _pct(v, 99)} for w, v in _by_where(tries).items()},
+        "refusal_codes_by_where": _count(f"{a.get('refused_by') or 'unmarked'}: {a.get('code') or 'unknown'}"
+                                         for a in tries if a["status"] in (429, 503)),
         "retry_after_s": _spread([float(a["retry_after_ms"]) / 1e3 if a.get("retry_after_ms") else
                                   float(a["retry_after"]) for a in tries if a.get("retry_after")]),
         "admitted_ttft_ms": {"n": len(ttft), "p50": _pct(ttft, 50), "p99": _pct(ttft, 99), "max": _pct(ttft, 100),
