@@ -144,6 +144,11 @@ def _admission(t: Targets) -> list[Panel]:
            "was decided (a unit's admission, or the front door: the proxy's or an ingress's gate) and reason. "
            "Front-door refusals belong to no unit: they show whichever units are selected.",
            [Target(Q.refusals_by_where(), "{{where}} {{reason}}")], "reqps", width=6),
+        ts("Front door's aim", "Share of a unit's TTFT limit each front gate (the proxy's, an ingress's) lets its "
+           "predicted TTFT reach before refusing at the door: 1 while its predictions hold; lowered by each "
+           "request it let through that a gate or unit behind it refused for its backlog (prefill_backlog there).",
+           [Target(Q.gauge(M.FRONT_AIM, op="min", group=(M.WHERE_TAG, M.APP_TAG), match=""),
+                   "{{where}} {{application}}")], "percentunit", width=6),
         ts("Rejected fraction", "Refusals (too_long excluded; by the units and at the front door) over requests "
            "offered (arrivals at the units plus front-door refusals). Dashed: the alert mark.",
            [Target(Q.refused_fraction(), "rejected")], "percentunit",

@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from serve_app.api_keys import KeySet, KeyStore
 from serve_app.key_usage import CURRENT_KEY, KeyUsage
 from serve_app.openai.errors import OpenAIError
-from serve_app.openai.http_limits import error_response
+from serve_app.openai.http_limits import error_response, route_path
 from tidal_core.rate_limit import KeyLimits, RateLimiter, Verdict
 
 # A child of Serve's logger, so the lines reach the replica's log file (Serve keeps INFO only there).
@@ -61,11 +61,6 @@ def presented_key(headers: Iterable[tuple[bytes, bytes]], lookup: Callable[[byte
     return None if token is None else key
 
 
-def _route_path(scope: Scope) -> str:
-    path, root = str(scope.get("path", "")), str(scope.get("root_path", ""))
-    return path[len(root):] if root and path.startswith(root) else path
-
-
 def rate_limited(key: str, verdict: Verdict) -> OpenAIError:
     kind = verdict.kind or "requests"
     wait = verdict.retry_after_s
@@ -85,7 +80,7 @@ class ApiKeyGate:
 
     def check(self, scope: Scope) -> tuple[str | None, OpenAIError | None, dict[str, str]]:
         """(key id, error, extra headers): (None, None, {}) for an open path."""
-        if _route_path(scope) in self.open_paths:
+        if route_path(scope) in self.open_paths:
             return None, None, {}
         now = self.usage.clock()
         key = presented_key(scope.get("headers") or (), lambda token: self.store.lookup(token, now))

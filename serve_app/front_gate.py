@@ -2,11 +2,10 @@
 
 Owns: `FrontGate` (the units' latest snapshots as this ingress replica sees them, kept fresh by a
 poll and by every verdict a unit sends back; the verdict of `tidal_core.FrontAdmission` on each
-new request; the spread of every 429's retry-after: `tidal_core.RetrySpread`) and
-`FrontGateMiddleware` (the pure ASGI middleware that asks the gate before FastAPI parses or
-validates a body: a refused request costs no JSON parsing, no tokenizing and no hop to a unit; the
-body is read ahead, and parsed only where it names `service_tier` or `priority`, to let a
-batch-class request through to its unit's batch queue: serve_app/openai/body_peek.py).
+new request; the spread of every 429's retry-after: `tidal_core.RetrySpread`) and the headers the
+gates and the units answer with (`gate_headers`). The ingress asks its gate from an ASGI
+middleware before FastAPI parses a body (serve_app/ingress_gate.py), the proxy from its own
+(serve_app/proxy_gate.py).
 
 Freshness. In a burst, hundreds of requests arrive before the first verdict on any of them comes
 back; so each request let through is *pending* until its unit's verdict (or its end), and the
@@ -43,6 +42,13 @@ request on the way), and adds it to the response (`UNIT_WAITED`), from which the
 learns the whole way. The work let through cannot start before it arrives, and on a small box in
 a burst the way is what set the slowest 429s (tidal_core/front_admission.py).
 
+What happened behind the gate. A gate's prediction is made before its unit's, from less, and
+where it errs low the request is refused one or two hops later, in a burst the slowest 429s. So
+each response to a request let through tells the gate whether its unit admitted it or a gate or
+unit behind refused it for its predicted TTFT (`REFUSAL_REASON`: `prefill_backlog`), and the gate
+acts on the share of the unit's limit that keeps about 3% of what it lets through from being
+refused there (`judged_behind`; tidal_core/door_aim.py `DoorAim`).
+
 A prompt is estimated from the body's size (`Content-Length`) at the bytes per token the verdicts
 taught (`PromptSizeModel`; the Ingress's gate passes their token counts on as `PROMPT_TOKENS`).
 
@@ -62,19 +68,12 @@ import math
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
-from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from serve_app.openai.arrival_stamp import mark_arrival
-from serve_app.openai.body_peek import peek_service_class
 from serve_app.openai.errors import OpenAIError
-from serve_app.openai.http_limits import DEFAULT_MAX_BODY_BYTES, JSON_ENDPOINTS, error_response
 from tidal_core import AdmissionConfig, UnitLoad
+from tidal_core.door_aim import DoorAim
 from tidal_core.front_admission import FrontAdmission, FrontRefusal, OnTheWay, PathModel, PromptSizeModel, Sighting
 from tidal_core.retry_spread import RetrySpread, retry_after_ms
-from tidal_core.service_class import ServiceClass
 
 logger = logging.getLogger(__name__)
 POLL_PERIOD_S = 0.1
@@ -105,12 +104,17 @@ class _Ticket:
 _TICKET: contextvars.ContextVar[_Ticket | None] = contextvars.ContextVar("tidal_front_ticket", default=None)
 
 
+def current_ticket() -> _Ticket | None:
+    """The ticket of the request in whose context this runs, if a gate let it through."""
+    return _TICKET.get()
+
+
 class FrontGate:
     def __init__(self, admission: AdmissionConfig, poll: Callable[[list[int]], Awaitable[UnitLoad]] | None = None, *,
                  period_s: float = POLL_PERIOD_S, idle_period_s: float = IDLE_POLL_PERIOD_S,
                  closed: Callable[[], OpenAIError | None] | None = None,
                  pending_for_s: float = PENDING_FOR_S, count_arrivals: bool = False,
-                 on_refusal: Callable[[str], None] | None = None,
+                 on_refusal: Callable[[str], None] | None = None, on_aim: Callable[[float], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
         self.admission = FrontAdmission(admission)
         self.spread = RetrySpread(admission.max_retry_after_s)
@@ -145,6 +149,8 @@ class FrontGate:
         self._sent: collections.deque[tuple[int, float]] = collections.deque(maxlen=4096)
         self.path = PathModel()  # how long the way to the units takes (learned from the units' verdicts)
         self.sizes = PromptSizeModel()  # a prompt's tokens from its body's bytes (learned from the same)
+        self.aim = DoorAim()  # the share of a unit's limit to act on (learned from the refusals made behind)
+        self._on_aim = on_aim  # each new aim, e.g. to a gauge (`serve_app.metrics.aim_gauge`)
         self._num_sent = 0
         self._num_skipped = 0  # answered without reaching a unit (the ingress refused them, a 400...)
         self._arrived: dict[str, tuple[int, int]] = {}  # unit -> (num_arrived when first seen, latest)
@@ -239,7 +245,7 @@ class FrontGate:
         now = self.clock()
         tokens = self.sizes.tokens(body_bytes)
         way = self._on_the_way(now)
-        verdict = self.admission.check(self.sightings.values(), now, tokens, waited_s, way)
+        verdict = self.admission.check(self.sightings.values(), now, tokens, waited_s, way, aim=self.aim.value)
         if verdict is not None:
             self.refused[verdict.reason] = self.refused.get(verdict.reason, 0) + 1
             if len(self.undelivered) < MAX_UNDELIVERED:
@@ -273,6 +279,16 @@ class FrontGate:
             self._num_skipped += 1
         self._learn(unit_waited_s, prompt_tokens)
         self.release()
+
+    def judged_behind(self, status: int, reason: str | None) -> None:
+        """The response to a request this gate let through starts with `status`: its unit admitted
+        it (200), or a gate or unit behind this one refused it for `reason` (its `REFUSAL_REASON`);
+        a `prefill_backlog` refusal there says this gate's prediction fell short (`DoorAim`)."""
+        if status == 200 or (status == 429 and reason == "prefill_backlog"):
+            before = self.aim.value
+            self.aim.observe(refused_behind=status == 429)
+            if self._on_aim is not None and self.aim.value != before:
+                self._on_aim(self.aim.value)
 
     def _learn(self, unit_waited_s: float | None, prompt_tokens: int | None) -> None:
         """What the current request's verdict tells of the way to the units and of its prompt (once each)."""
@@ -326,6 +342,7 @@ def _rate_limited(verdict: FrontRefusal) -> OpenAIError:
 
 
 REFUSED_BY = "x-tidal-refused-by"  # on a 429 / 503: where it was decided (proxy, ingress, unit)
+REFUSAL_REASON = "x-tidal-refusal-reason"  # on a 429: the rule that refused it (the error's `code`)
 # On a response to a request its unit gave a verdict on: how long the request had waited (since
 # the proxy's arrival stamp) when the unit received it; the proxy's gate learns its path from it.
 UNIT_WAITED = "x-tidal-unit-waited-ms"
@@ -340,58 +357,8 @@ def gate_headers(gate: FrontGate | None, err: OpenAIError, where: str) -> dict[s
     headers = err.headers()
     if gate is not None and err.status == 429:
         headers.update(gate.retry_headers(err.retry_after_s))
+    if err.status == 429 and err.code:
+        headers[REFUSAL_REASON] = err.code
     if err.status in (429, 503):
         headers[REFUSED_BY] = where
     return headers
-
-
-class FrontGateMiddleware:
-    """Asks `app.state.front_gate` (if set) about every POST to a generation endpoint, before the body is parsed."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        state = getattr(scope.get("app"), "state", None)
-        gate: Any = getattr(state, "front_gate", None)
-        if scope["type"] != "http" or not isinstance(gate, FrontGate):
-            await self.app(scope, receive, send)
-            return
-        gate.start()
-        if scope["method"] == "POST" and _route_path(scope) in JSON_ENDPOINTS:
-            length = Headers(scope=scope).get("content-length", "")
-            # The time it already spent in front of this replica (the proxy's signed stamp) counts.
-            waited = time.time() - mark_arrival(scope, getattr(state, "arrival_key", None),
-                                                on_stamped=getattr(state, "on_front_delay", None))
-            limit = int(getattr(state, "max_body_bytes", DEFAULT_MAX_BODY_BYTES))
-            receive, asked = await peek_service_class(receive, length, limit)
-            if asked is ServiceClass.BATCH:  # never held to the TTFT target: its unit's batch queue decides
-                await self.app(scope, receive, send)
-                return
-            err = gate.refusal(int(length) if length.isdigit() else 0, max(0.0, waited))
-            if err is not None:
-                response = error_response(err)
-                response.headers.update(gate_headers(gate, err, "ingress"))
-                await response(scope, receive, send)
-                return
-            ticket = _TICKET.get()
-
-            async def send_with_wait(message: Message) -> None:
-                if message["type"] == "http.response.start" and ticket is not None:
-                    waited, tokens = ticket.unit_waited_s, ticket.prompt_tokens
-                    extra = [(UNIT_WAITED.encode(), f"{waited * 1e3:.1f}".encode())] if waited is not None else []
-                    extra += [(PROMPT_TOKENS.encode(), str(tokens).encode())] if tokens else []
-                    message = {**message, "headers": [*message.get("headers", []), *extra]}
-                await send(message)
-
-            try:
-                await self.app(scope, receive, send_with_wait)
-            finally:
-                gate.release()
-            return
-        await self.app(scope, receive, send)
-
-
-def _route_path(scope: Scope) -> str:
-    path, root = str(scope.get("path", "")), str(scope.get("root_path", ""))
-    return path[len(root):] if root and path.startswith(root) else path

@@ -36,11 +36,12 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from serve_app.auth import ApiKeyGate, ApiKeyMiddleware, gate_from_args
-from serve_app.front_gate import FrontGate, FrontGateMiddleware, gate_headers
+from serve_app.front_gate import FrontGate, gate_headers
 from serve_app.handle_client import HandleEngineClient
+from serve_app.ingress_gate import FrontGateMiddleware
 from serve_app.key_usage import MeteredEngine
 from serve_app.memory_trim import start_trimming
-from serve_app.metrics import front_delay_histogram, refusal_counter
+from serve_app.metrics import aim_gauge, front_delay_histogram, refusal_counter
 from serve_app.openai.arrival_stamp import ArrivalKey
 from serve_app.openai.errors import OpenAIError, server_error, unavailable
 from serve_app.openai.http_limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, error_response
@@ -256,8 +257,9 @@ class Ingress:
         sampling = resolve_sampling_defaults(read_generation_config(path), _config_sampling(model))
         admission: AdmissionConfig = await router.admission_config.remote()
         handle_client = HandleEngineClient(router, info)
+        app_name = serve.get_replica_context().replica_id.deployment_id.app_name
         self.gate = FrontGate(admission, handle_client.load, closed=handle_client.recovering_error,
-                              on_refusal=refusal_counter("ingress"))
+                              on_refusal=refusal_counter("ingress"), on_aim=aim_gauge("ingress", app_name))
         handle_client.on_load = self.gate.observe
         engine: Any = handle_client
         # --- API keys (serve_app/auth.py): None when no key is configured ---

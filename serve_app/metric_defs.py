@@ -123,6 +123,12 @@ WHERE_TAG = "where"
 FRONT_REFUSALS = MetricDef("tidal_front_refusals", "counter",
                            "Requests refused with 429 at the front door (the proxy's or an ingress's gate) before "
                            "reaching a unit, by where and reason", (WHERE_TAG, "reason"))
+APP_TAG = "application"
+"""The Serve application a front gate admits for (one proxy fronts every application)."""
+FRONT_AIM = MetricDef("tidal_front_aim", "gauge",
+                      "Share of a unit's TTFT limit a front gate lets its predicted TTFT reach, learned from the "
+                      "requests it let through that were refused behind it (1: its predictions hold)",
+                      (WHERE_TAG, APP_TAG))
 CLASS_TAG = "class"
 """The service class of a request (tidal_core/service_class.py): interactive or batch."""
 PREEMPTIONS = MetricDef("tidal_preemptions", "counter",
@@ -165,7 +171,8 @@ ALL_METRICS: tuple[MetricDef, ...] = (
     MEASURED_TPOT, TPOT_AIM, BORROW_SCALE, OVERLOAD_PREFILL_CAP,
     PADDING_WASTE,
     UNITS_DESIRED, UNITS_DEMAND, BATCH_WAITING, BATCH_BACKLOG_TOKENS, BATCH_RUNNING,
-    DISPATCHES, REJECTIONS, FRONT_REFUSALS, PREEMPTIONS, FINISHED, PROMPT_TOKENS, GENERATION_TOKENS, ARRIVALS,
+    DISPATCHES, REJECTIONS, FRONT_REFUSALS, FRONT_AIM, PREEMPTIONS, FINISHED, PROMPT_TOKENS, GENERATION_TOKENS,
+    ARRIVALS,
     ENGINE_ERRORS,
     PREFIX_QUERIED_TOKENS, PREFIX_HIT_TOKENS, PREFIX_QUERIED_REQUESTS, PREFIX_HIT_REQUESTS,
     BATCH_TOKENS,

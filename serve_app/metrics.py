@@ -181,6 +181,16 @@ def refusal_counter(where: str) -> Callable[[str], None]:
     return count
 
 
+def aim_gauge(where: str, application: str) -> Callable[[float], None]:
+    """A gate's `on_aim`: sets `tidal_front_aim{where, application}` (tidal_core/door_aim.py), from 1.
+    Call inside a Ray worker."""
+    d = M.FRONT_AIM
+    gauge = ray_metrics.Gauge(d.name, description=d.description, tag_keys=d.tag_keys)
+    gauge.set_default_tags({M.WHERE_TAG: where, M.APP_TAG: application})
+    gauge.set(1.0)
+    return gauge.set
+
+
 def front_delay_histogram() -> Callable[[float], None]:
     """Observes `tidal_front_delay_seconds`: a stamped request's time from the proxy to this Ingress
     replica (serve_app/openai/arrival_stamp.py). Call inside a Ray worker."""

@@ -29,7 +29,9 @@ unit takes is learned from the Ingress's `x-tidal-unit-waited-ms` on each respon
 request had waited since this proxy's stamp when its unit received it), and the bytes of body per
 prompt token from its `x-tidal-prompt-tokens` (the prompt's tokens as its unit counted them).
 However congested the path from here to the unit, they count until they arrive (a time horizon
-would open the gate exactly when the path is slowest), and none counts past its end.
+would open the gate exactly when the path is slowest), and none counts past its end. What the
+Ingress's gate or the unit then answers teaches the gate its aim: a `prefill_backlog` refusal
+behind it (`x-tidal-refusal-reason`) says its prediction fell short (front_gate.py `judged_behind`).
 
 Arrival stamps: a request the gate lets through carries the proxy's signed arrival time
 (serve_app/openai/arrival_stamp.py; the key read from an Ingress with the key digests), so the
@@ -54,8 +56,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve_app.api_keys import KeySet
 from serve_app.auth import INVALID_KEY, UNAUTHORIZED_HEADERS, presented_key
-from serve_app.front_gate import PROMPT_TOKENS, REFUSED_BY, UNIT_WAITED, FrontGate, gate_headers
-from serve_app.metrics import refusal_counter
+from serve_app.front_gate import PROMPT_TOKENS, REFUSAL_REASON, REFUSED_BY, UNIT_WAITED, FrontGate, gate_headers
+from serve_app.metrics import aim_gauge, refusal_counter
 from serve_app.openai.arrival_stamp import ArrivalKey, restamp
 from serve_app.openai.body_peek import peek_service_class
 from serve_app.openai.http_limits import DEFAULT_MAX_BODY_BYTES, JSON_ENDPOINTS, error_response
@@ -122,6 +124,7 @@ class ProxyGateMiddleware:
                 status = int(message.get("status", 0))
                 headers = Headers(raw=list(message.get("headers", [])))
                 tokens = headers.get(PROMPT_TOKENS, "")
+                gate.judged_behind(status, headers.get(REFUSAL_REASON))
                 gate.answered(reached_a_unit=status == 200 or headers.get(REFUSED_BY) == "unit",
                               unit_waited_s=_seconds(headers.get(UNIT_WAITED)),
                               prompt_tokens=int(tokens) if tokens.isdigit() else None)
@@ -197,7 +200,8 @@ class ProxyGateMiddleware:
             async def poll(refused_at_door: list[DoorRefusal], handle: Any = handle) -> Any:
                 return await handle.load_stats.remote(refused_at_door)
 
-            gate = FrontGate(admission, poll, count_arrivals=True, on_refusal=self._count_refusal)
+            gate = FrontGate(admission, poll, count_arrivals=True, on_refusal=self._count_refusal,
+                             on_aim=aim_gauge("proxy", name))
             gate.start()
             self.gates[prefix] = (name, gate)
             logger.info("proxy gate: admission for application %r at %r", name, prefix)

@@ -17,15 +17,15 @@ final authority for every request let through:
 - `prefill_backlog`: work will still be ahead when the request arrives, and the time it already
   waited plus the work ahead plus its own prefill (uncached estimates, as below) exceeds the
   unit's published limit (`target_ttft_s` in OVERLOAD, `burst_factor` x it otherwise, times the
-  unit's learned admission aim: core/admission.py `TtftAim`). The work ahead is the snapshot's predicted
-  queueing delay less the time since the snapshot (the unit drains while the snapshot ages),
-  then the prompts the front end let through since (in a burst, hundreds arrive before any
-  verdict comes back), which start when the oldest of them arrives (and this one not before it
-  arrives itself: `OnTheWay.path_s` behind them, `head_path_s` for the oldest). Those prompts and
-  this one are priced per estimated token as the unit prices a burst of prompts arriving
-  together (`price_per_token`: from the published `prefill_s_per_token` for one prompt to
-  `burst_s_per_token` for `BURST_REQUESTS`), since each prompt admitted becomes a decode in the
-  steps that prefill the ones behind it;
+  unit's learned admission aim: core/admission.py `TtftAim`) times the front end's own aim
+  (learned from the refusals made behind it: tidal_core/door_aim.py). The work ahead is the
+  snapshot's predicted queueing delay less the time since it (the unit drains while it ages),
+  then the prompts let through since (in a burst, hundreds arrive before any verdict comes back),
+  which start when the oldest of them arrives (and this one not before it arrives itself:
+  `OnTheWay.path_s` behind them, `head_path_s` for the oldest), priced per estimated token as
+  the unit prices a burst of prompts arriving together (`price_per_token`: from the published
+  `prefill_s_per_token` for one prompt to `burst_s_per_token` for `BURST_REQUESTS`), since each
+  prompt admitted becomes a decode in the steps that prefill the ones behind it;
 - `kv_pressure`: KV usage was at `kv_reject_usage` with requests waiting for room.
 
 - `prompt_over_target`: in OVERLOAD, with nothing ahead when the request arrives, its prompt is
@@ -64,8 +64,7 @@ queue drains in real time, so a busy snapshot refuses only while the queue it sa
 gone. (A short horizon would open the gate exactly when the front end is too starved to poll.)
 With several units, a request is refused only when every unit with a fresh snapshot refuses
 it: the request router would pick the best one. The retry-after of a refusal is the unit's
-estimate (clamped as the unit clamps it); spreading retries over time is `RetrySpread`'s
-business (tidal_core/retry_spread.py).
+estimate (clamped as the unit clamps it); spreading retries is `RetrySpread`'s (retry_spread.py).
 
 `absorb_door_refusals` is the other way: the front end's refusals (Serve's gates pass them on with
 their polls), counted at the unit as if they had reached it. `published_load` is the snapshot a
@@ -299,24 +298,25 @@ class FrontAdmission:
         self.max_age_s = max_age_s
 
     def watch_closely(self, load: UnitLoad) -> bool:
-        """Whether a verdict on `load` could refuse soon, so the front end should keep it fresh. In
-        "protect" mode only a full queue is refused: while the queue is under half its limit, a
-        snapshot a second old decides as a fresh one would (and admission off never refuses)."""
+        """Whether a verdict on `load` could refuse soon, so the front end should keep it fresh. In "protect"
+        mode only a full queue is refused: while it is under half its limit, a snapshot a second old decides as
+        a fresh one would (and admission off never refuses)."""
         cfg = self.config
         return cfg.enabled and (cfg.mode != "protect" or 2 * load.num_waiting >= cfg.max_queue_len)
 
     def check(self, sightings: Iterable[Sighting], now: float, prompt_tokens: int = 0,
-              waited_s: float = 0.0, on_the_way: OnTheWay = NOTHING_ON_THE_WAY) -> FrontRefusal | None:
+              waited_s: float = 0.0, on_the_way: OnTheWay = NOTHING_ON_THE_WAY, *,
+              aim: float = 1.0) -> FrontRefusal | None:
         """None (let the request through) unless every fresh snapshot says its unit would refuse
         it; then the refusal with the shortest retry-after (the unit that frees up first).
         `prompt_tokens` is the front end's estimate of the request's prompt (before tokenizing);
         `on_the_way` what it let through that no snapshot holds yet (shared evenly by the fresh
-        units: the request router spreads them) and how long the way is."""
+        units: the request router spreads them) and how long the way is; `aim`: `DoorAim.value`."""
         fresh = [(s.load, now - s.seen_s) for s in sightings if 0.0 <= now - s.seen_s <= self.max_age_s]
         refusals: list[FrontRefusal] = []
         share = on_the_way.share(len(fresh))
         for load, age in fresh:  # a stale snapshot (or one from the future: a clock bug) is not believed
-            refusal = self.unit_verdict(load, age, prompt_tokens, waited_s, share)
+            refusal = self.unit_verdict(load, age, prompt_tokens, waited_s, share, aim=aim)
             if refusal is None:
                 return None
             refusals.append(refusal)
@@ -328,17 +328,16 @@ class FrontAdmission:
         fresh unit's `prompt_over_target` rule would refuse its whole prompt. Such a prompt passed
         here only on the tokens a prompt finds cached on average (the door cannot see its own
         hit): its unit refuses it, unless its cache holds most of it, and either way it puts
-        almost no prefill ahead of the requests behind it. Counted whole, one at the head of a
-        burst had the door refuse the short prompts behind it that the unit served
-        (benchmarks/RESULTS.md, "Cache-aware routing in Serve")."""
+        almost no prefill ahead of the requests behind it (counted whole, one at the head of a burst
+        had the door refuse short prompts the unit served: RESULTS.md, "Cache-aware routing in Serve")."""
         units = [s.load for s in sightings if 0.0 <= now - s.seen_s <= self.max_age_s]
         if self.config.enabled and self.config.mode != "protect" and units and all(
                 0 < u.alone_limit_tokens < prompt_tokens for u in units):
             return 0
         return prompt_tokens
 
-    def unit_verdict(self, load: UnitLoad, age_s: float, prompt_tokens: int = 0,
-                     waited_s: float = 0.0, on_the_way: OnTheWay = NOTHING_ON_THE_WAY) -> FrontRefusal | None:
+    def unit_verdict(self, load: UnitLoad, age_s: float, prompt_tokens: int = 0, waited_s: float = 0.0,
+                     on_the_way: OnTheWay = NOTHING_ON_THE_WAY, *, aim: float = 1.0) -> FrontRefusal | None:
         """What the unit of `load` would answer a request of about `prompt_tokens` let through
         `age_s` after the snapshot, having already waited `waited_s`, with `on_the_way` sent its
         way since: a refusal, or None (it might admit: the unit decides)."""
@@ -374,8 +373,9 @@ class FrontAdmission:
         # would start the request at once, however long its prompt.
         ttft = waited_s + max(ahead_s, way.path_s) + uncached * per_token
         ahead_s -= max(0.0, way.path_s)
-        # The unit's own limit, its learned aim included, when the snapshot says; else the config's.
-        limit = load.ttft_limit_s if load.ttft_limit_s > 0.0 else ttft_limit_s(cfg, load.regime)
+        # The unit's own limit, its learned aim included, when the snapshot says, else the config's;
+        # times the share of it this front end's predictions may reach (its `DoorAim`).
+        limit = aim * (load.ttft_limit_s if load.ttft_limit_s > 0.0 else ttft_limit_s(cfg, load.regime))
         if ahead_s > 0.0 and ttft > limit:
             return self._refuse(load, "prefill_backlog", ttft - cfg.target_ttft_s,
                                 f"predicted time to first token {ttft:.2f}s exceeds the "

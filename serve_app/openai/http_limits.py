@@ -36,7 +36,8 @@ def _is_json(content_type: str) -> bool:
     return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
 
 
-def _route_path(scope: Scope) -> str:
+def route_path(scope: Scope) -> str:
+    """The request's path below the app's root path (where Serve mounts the app at a route prefix)."""
     path, root = str(scope.get("path", "")), str(scope.get("root_path", ""))
     return path[len(root):] if root and path.startswith(root) else path
 
@@ -57,7 +58,7 @@ class BodyLimitMiddleware:
             return
         limit = int(getattr(app_state, "max_body_bytes", DEFAULT_MAX_BODY_BYTES))
         headers = Headers(scope=scope)
-        if _route_path(scope) in JSON_ENDPOINTS:
+        if route_path(scope) in JSON_ENDPOINTS:
             content_type = headers.get("content-type")
             if content_type is None:  # lenient, as OpenAI is: a body without Content-Type is JSON
                 scope = {**scope, "headers": [*scope["headers"], (b"content-type", b"application/json")]}

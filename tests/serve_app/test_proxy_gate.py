@@ -137,7 +137,8 @@ async def test_the_gates_learn_the_way_to_the_unit_and_the_prompts_size_from_its
     way from it (less the wait it judged the request with) and the body's bytes per token, adds both
     to the response for the proxy (`UNIT_WAITED`, `PROMPT_TOKENS`), and the proxy's gate learns the
     whole way and the same bytes per token from those headers."""
-    from serve_app.front_gate import PROMPT_TOKENS, UNIT_WAITED, FrontGateMiddleware
+    from serve_app.front_gate import PROMPT_TOKENS, UNIT_WAITED
+    from serve_app.ingress_gate import FrontGateMiddleware
     from serve_app.proxy_gate import ProxyGateMiddleware
     from tidal_core.front_admission import PATH_PRIOR_S, PROMPT_BYTES_PER_TOKEN
 
@@ -191,3 +192,4 @@ async def test_the_gates_learn_the_way_to_the_unit_and_the_prompts_size_from_its
         assert sent.status_code == 200
     assert proxy_gate.path.per_request_s == pytest.approx(PATH_PRIOR_S + 0.1 * (0.025 - PATH_PRIOR_S))  # alone: 25 ms
     assert proxy_gate.sizes.bytes_per_token == pytest.approx(learned_bytes_per_token)
+
