@@ -17,8 +17,8 @@ it let through: `value` (in [`floor`, 1], from 1) is the fraction of the limit i
 by `gain x tail` (`track_tail`), so about `tail` of the requests let through are refused behind
 it: as many as the prediction's error makes unavoidable at the margin, and no more. A front end
 whose predictions hold never sees the first kind and stays at 1. The floor bounds what a
-mistaken signal can cost: at 0.5 the door still lets through every request the unit would start
-within half its limit, which keeps an overloaded unit's queue from running dry.
+mistaken signal can cost: at 0.5 the door still lets through every request it predicts within
+half the unit's limit, which keeps an overloaded unit's queue from running dry.
 
 Must not import: ray, torch, transformers, fastapi, asyncio, or read the wall clock.
 """

@@ -36,6 +36,7 @@ SIM_MODEL = "sim-llama-70b-a100"
 GAP_RETRY_S = 30.0
 TRICKLE: Counter[str] = Counter()  # the trickle's outcomes (status code or error), for failure messages
 BURST: Counter[tuple[int, str | None]] = Counter()  # the burst's (status, refused by) outcomes
+RULES: list[tuple[str | None, str | None]] = []  # each 429 of the burst: (x-tidal-refusal-reason, its body's code)
 
 EMPTY_PANEL_QUERIES = {
     ("Preemptions by reason", "{{class}} {{reason}}"): "no request is preempted: the simulated A100 KV pool is "
@@ -100,6 +101,8 @@ def _burst(base: str, n: int) -> list[tuple[int, str | None]]:
     async def one(client: httpx.AsyncClient) -> tuple[int, str | None]:
         r = await client.post(f"{base}/sim/v1/completions", json={
             "model": SIM_MODEL, "prompt": "word " * 1500, "max_tokens": 16, "ignore_eos": True})
+        if r.status_code == 429:
+            RULES.append((r.headers.get("x-tidal-refusal-reason"), r.json()["error"]["code"]))
         return r.status_code, r.headers.get("x-tidal-refused-by")
 
     async def run() -> list[tuple[int, str | None]]:
@@ -220,6 +223,12 @@ def test_every_refusal_of_the_burst_is_counted_where_it_was_decided(loaded: str)
                 and time.monotonic() < deadline:
             time.sleep(1.0)
         assert counted >= n, (where, n, counted, dict(BURST))
+
+
+def test_every_refusal_of_the_burst_names_its_rule(loaded: str) -> None:
+    # Wherever it was decided, a 429 says its rule in a header (what the gates in front learn from),
+    # the same as its body's code.
+    assert RULES and all(header == code and code for header, code in RULES), RULES
 
 
 def test_latency_quantiles_have_values(loaded: str) -> None:
