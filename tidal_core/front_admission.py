@@ -373,13 +373,13 @@ class FrontAdmission:
         # would start the request at once, however long its prompt.
         ttft = waited_s + max(ahead_s, way.path_s) + uncached * per_token
         ahead_s -= max(0.0, way.path_s)
-        # The unit's own limit, its learned aim included, when the snapshot says, else the config's;
-        # times the share of it this front end's predictions may reach (its `DoorAim`).
+        # The unit's own limit (its learned aim included; else the config's) times this front end's `DoorAim`.
         limit = aim * (load.ttft_limit_s if load.ttft_limit_s > 0.0 else ttft_limit_s(cfg, load.regime))
-        if ahead_s > 0.0 and ttft > limit:
-            return self._refuse(load, "prefill_backlog", ttft - cfg.target_ttft_s,
-                                f"predicted time to first token {ttft:.2f}s exceeds the "
-                                f"{cfg.target_ttft_s:.2f}s target")
+        if ahead_s > 0.0 and ttft > limit:  # past the target, or short of it but past the door's aim
+            target = cfg.target_ttft_s
+            past = f"the {target:.2f}s target" if ttft > target else f"the {limit:.2f}s the door admits now"
+            return self._refuse(load, "prefill_backlog", ttft - target, f"predicted time to first token {ttft:.2f}s "
+                                f"exceeds {past}")
         # Nothing ahead when it arrives: in OVERLOAD a prompt too slow on its own is refused, by
         # its tokens the unit's prefix cache will not hold (estimated, as above) and without the
         # time it waited (the unit counts it, so this errs towards letting through).

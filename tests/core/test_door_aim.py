@@ -63,6 +63,11 @@ def test_admission_compares_the_prediction_with_the_aimed_share_of_the_limit() -
     assert front.check(seen, 10.0) is None and front.check(seen, 10.0, aim=0.85) is None  # 0.8 s of 1 s
     refusal = front.check(seen, 10.0, aim=0.75)
     assert refusal is not None and refusal.reason == "prefill_backlog"
+    # Short of the target, the message says which limit it passed, not that the target is missed.
+    assert "0.80s exceeds the 0.75s the door admits now" in refusal.message and "target" not in refusal.message
+    late = front.check([Sighting(UnitLoad("u", 8, 5, 1.2, 0.1, capacity_rps=2.0, regime=Regime.OVERLOAD), 10.0)], 10.0,
+                       aim=0.75)
+    assert late is not None and "1.20s exceeds the 1.00s target" in late.message
     full = UnitLoad("u", num_running=8, num_waiting=100, queue_delay_s=0.0, kv_usage=0.1, capacity_rps=2.0)
     assert front.check([Sighting(full, 10.0)], 10.0, aim=1.0).reason == "queue_full"  # other rules: as before
     idle = UnitLoad("u", num_running=0, num_waiting=0, queue_delay_s=0.0, kv_usage=0.0, capacity_rps=2.0,
