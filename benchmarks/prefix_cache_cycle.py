@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.tree_run import json_from_tree
 
 MODES = {"off": (False, False), "on_unhashed": (True, False), "on_hashed_no_hits": (True, True)}
 # `--off-hashed`: the cache off, every prompt carrying its unique hashes all the same (unused):
@@ -46,10 +47,8 @@ print(json.dumps(bench.bench_interleaved(modes, 256, 4096, int(sys.argv[3]), see
 
 
 def _once(tree: Path, modes: dict[str, tuple[bool, bool]], cycles: int, seed: int) -> dict[str, dict[str, float]]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run([sys.executable, "-c", _CODE, str(HARNESS), json.dumps(modes), str(cycles), str(seed)],
-                         cwd=tree, env=env, check=True, capture_output=True, text=True).stdout
-    result: dict[str, dict[str, float]] = json.loads(out.strip().splitlines()[-1])
+    result: dict[str, dict[str, float]] = json_from_tree(tree, _CODE, str(HARNESS), json.dumps(modes), str(cycles),
+                                                          str(seed))
     return result
 
 

@@ -13,12 +13,12 @@ in a baseline tree, whatever held the TPOT target there).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.tree_run import json_from_tree
 
 _CODE = """
 import functools, json, sys
@@ -31,10 +31,7 @@ print(json.dumps(r))
 
 
 def _once(tree: Path, variant: str, running: int, waiting: int, cycles: int) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run([sys.executable, "-c", _CODE, variant, str(running), str(waiting), str(cycles)],
-                         cwd=tree, env=env, check=True, capture_output=True, text=True).stdout
-    result: dict[str, float] = json.loads(out.strip().splitlines()[-1])
+    result: dict[str, float] = json_from_tree(tree, _CODE, variant, str(running), str(waiting), str(cycles))
     return result
 
 

@@ -20,12 +20,12 @@ call (before 93ab2f8) is called once per quantile.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.tree_run import json_from_tree
 
 _CODE = """
 import inspect, json, random, statistics, time
@@ -53,10 +53,7 @@ print(json.dumps(out))
 
 
 def _once(tree: Path) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run([sys.executable, "-c", _CODE], cwd=tree, env=env, check=True, capture_output=True,
-                         text=True).stdout
-    result: dict[str, float] = json.loads(out.strip().splitlines()[-1])
+    result: dict[str, float] = json_from_tree(tree, _CODE)
     return result
 
 
