@@ -64,8 +64,9 @@ class FrontGateMiddleware:
 
             async def send_with_wait(message: Message) -> None:
                 if message["type"] == "http.response.start" and ticket is not None:
-                    gate.judged_behind(int(message.get("status", 0)),
-                                       Headers(raw=list(message.get("headers", []))).get(REFUSAL_REASON))
+                    status = int(message.get("status", 0))  # only a refusal's headers are read for its rule
+                    gate.judged_behind(status, Headers(raw=list(message.get("headers", []))).get(REFUSAL_REASON)
+                                       if status == 429 else None)
                     waited, tokens = ticket.unit_waited_s, ticket.prompt_tokens
                     extra = [(UNIT_WAITED.encode(), f"{waited * 1e3:.1f}".encode())] if waited is not None else []
                     extra += [(PROMPT_TOKENS.encode(), str(tokens).encode())] if tokens else []
