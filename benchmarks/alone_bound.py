@@ -20,9 +20,7 @@ Pure core and the simulator, no Ray; seconds per trace hour.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,33 +28,26 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.admission_watch import OnCheck, watching_admission
 from calibration.cost_model import CostModel
 from loadgen.report import Slo
 from loadgen.sim.runner import RunSpec, sim_config, unit_config
 from loadgen.sim.simulation import simulate
 from loadgen.traces import load_trace
-from tidal_core.admission import AdmissionController
+from tidal_core.admission import AdmissionController, UnitState
 
 Seen = tuple[int, float, float, str | None]  # prompt tokens, bound (s), learned ratio, refusal reason
 
 
-@contextlib.contextmanager
-def _recording(seen: dict[str, Seen]) -> Iterator[None]:
-    """Every `AdmissionController.check` with nothing ahead, by request id, while the block runs."""
-    check = AdmissionController.check
+def _recorder(seen: dict[str, Seen]) -> OnCheck:
+    """Records each check of a request with nothing ahead, by request id (`watching_admission`)."""
 
-    def recorded(self: AdmissionController, req: Any, state: Any, load: Any) -> Any:
-        verdict = check(self, req, state, load)
+    def record(controller: AdmissionController, req: Any, state: UnitState, verdict: Any) -> None:
         if not state.work_ahead and state.alone_ttft_s > 0.0:
-            seen[req.request_id] = (req.num_prompt_tokens, state.alone_ttft_s, self.alone.value,
+            seen[req.request_id] = (req.num_prompt_tokens, state.alone_ttft_s, controller.alone.value,
                                     verdict.reason if verdict is not None else None)
-        return verdict
 
-    AdmissionController.check = recorded  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        AdmissionController.check = check  # type: ignore[method-assign]
+    return record
 
 
 def table(seen: dict[str, Seen], ttft_s: np.ndarray, target_s: float, bin_tokens: int) -> list[str]:
@@ -98,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = dict(item.split("=", 1) for item in args.set)
     spec = RunSpec(trace, base, cost, Slo(args.ttft, args.tpot), overrides=overrides)
     seen: dict[str, Seen] = {}
-    with _recording(seen):
+    with watching_admission(_recorder(seen)):
         run = simulate(trace, sim_config(spec, args.policy))
     o = run.outcomes
     print(f"{args.trace} x{args.rate:g}, {args.hours:g} h, {args.cost_model}, {args.policy}: "

@@ -28,6 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tidal_core.admission as admission
+from benchmarks.admission_watch import watching_admission
 from benchmarks.sweet_spot import SHIPPED_COST_MODELS, TRACES, _window
 from loadgen.report import OK, Slo, write_json
 from loadgen.sim.runner import RunSpec, run_policy
@@ -41,27 +42,16 @@ def one_run(cost_name: str, trace_name: str, rate: float, hours: float, policy: 
     cost, base, trace = _window(cost_name, trace_name, rate, hours, 0.0)
     refused: list[str] = []
     verdicts: dict[int, bool] = {}  # in OVERLOAD with nothing ahead: would the rule refuse it
-    check, reject = admission.AdmissionController.check, admission.AdmissionController._reject
 
-    def judged(self: admission.AdmissionController, req: Any, state: admission.UnitState, load: Any) -> Any:
-        verdict = check(self, req, state, load)
-        if verdict is None and state.regime is Regime.OVERLOAD and state.alone_ttft_s > 0.0:
-            verdicts[int(req.request_id)] = self.too_slow_alone(state)
-        return verdict
-
-    def record(self: admission.AdmissionController, req: Any, reason: str, retry_after_s: float,
-               message: str) -> Any:
-        refused.append(reason)
-        return reject(self, req, reason, retry_after_s, message)
+    def judged(controller: admission.AdmissionController, req: Any, state: admission.UnitState, verdict: Any) -> None:
+        if verdict is not None:
+            refused.append(verdict.reason)
+        elif state.regime is Regime.OVERLOAD and state.alone_ttft_s > 0.0:
+            verdicts[int(req.request_id)] = controller.too_slow_alone(state)
 
     overrides = {RULE: str(rule).lower(), "max_num_batched_tokens": str(budget)}
-    admission.AdmissionController.check = judged  # type: ignore[method-assign]
-    admission.AdmissionController._reject = record  # type: ignore[method-assign]
-    try:
+    with watching_admission(judged):
         run = run_policy(RunSpec(trace, base, cost, slo, overrides=overrides), policy, progress=False)
-    finally:
-        admission.AdmissionController.check = check  # type: ignore[method-assign]
-        admission.AdmissionController._reject = reject  # type: ignore[method-assign]
     o = run.run.outcomes
     ok = o.status == OK
     missed = ok & (np.nan_to_num(o.ttft_s, nan=np.inf) > slo.ttft_s)
