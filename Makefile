@@ -43,12 +43,10 @@ $(KERNELS): $(STAMP) actors/models/csrc/paged_decode.c actors/models/csrc/block_
 model: setup
 	$(PY) -m actors.model_loader --prepare smollm2-135m-instruct
 
-# What Serve's processes read when they start, so it is set here for the cluster `serve run`
-# starts (serve_app/cluster_env.py): the front-door gate in Serve's proxy (serve_app/proxy_gate.py)
-# and Serve's data plane over gRPC.
+# The config carries what Serve's processes read when they start (its `controller_options`;
+# serve_app/cluster_env.py): the front-door gate in Serve's proxy and Serve's data plane over gRPC.
 serve: setup model
-	RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=serve_app.proxy_gate:middlewares RAY_SERVE_USE_GRPC_BY_DEFAULT=1 \
-		$(VENV)/bin/serve run configs/local.yaml
+	$(VENV)/bin/serve run configs/local.yaml
 
 # NVIDIA's AIPerf benchmark client, for the third-party-client test (tests/integration/test_bench_client.py).
 # Its own virtualenv: it pins its own versions of much of the scientific stack (pandas, pillow, rich...).

@@ -53,13 +53,14 @@ def start_server(port: int) -> str:
     from ray.serve.schema import ServeDeploySchema
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from tests.integration.conftest import wait_healthy
+    from tests.integration.conftest import shipped_controller_options, wait_healthy
 
     config = yaml.safe_load((ROOT / "configs" / "sim.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": port}
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}})
-    serve_start(http_options={"host": "127.0.0.1", "port": port}).deploy_apps(ServeDeploySchema.model_validate(config))
+    serve_start(http_options={"host": "127.0.0.1", "port": port}, controller_options=shipped_controller_options()
+                ).deploy_apps(ServeDeploySchema.model_validate(config))
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, 300)
     return url

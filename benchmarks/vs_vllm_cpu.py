@@ -70,9 +70,10 @@ class Server:
 
 
 MAKE_SERVE_ENV = dict(CLUSTER_ENV)
-"""What `make serve` sets beside `serve run configs/local.yaml` (the Makefile's serve target; a test
-holds the two together): serve_app/cluster_env.py, the front gate in Serve's proxy and Serve's data
-plane over gRPC, so a benchmark measures the server a user starts."""
+"""What `make serve` set beside `serve run configs/local.yaml` before the configs carried it in their
+`controller_options` (serve_app/cluster_env.py): set here too, so a checkout from before then, run by
+benchmarks/startup_ab.py, starts the server its users started; for the current configs it repeats
+what their block sets."""
 
 
 def tidal_server(work: Path, config_path: Path) -> Server:

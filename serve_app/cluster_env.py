@@ -1,9 +1,14 @@
 """The environment a tidalserve cluster's processes start with.
 
-Owns: `CLUSTER_ENV`, the variables Serve reads in its proxy and its replicas when they start, so a
-Serve config cannot set them: `make serve` sets them in its recipe (tests/test_make_serve_env.py
-holds the two together), the test and benchmark clusters set them before Ray starts, and the
-KubeRay manifests set them on every Ray container (k8s/base/rayservice.yaml).
+Owns: `CLUSTER_ENV`, the variables Serve reads in its proxy and its replicas when they start, and
+`CONTROLLER_OPTIONS`, the Serve config's `controller_options` block that carries them. Serve starts
+its controller with that block's `runtime_env.env_vars`, and the proxy and the replicas the
+controller starts inherit them (Ray merges a child's `env_vars` over its parent's), so every
+shipped config carries the block and `serve run configs/X.yaml` (hence `make serve`) needs no
+exports; tests/test_cluster_env.py holds the configs to `CLUSTER_ENV`. The test and benchmark
+clusters start Serve with the shipped config's block. The block applies only when the controller
+is first created, so the KubeRay manifests also set the variables on every Ray container
+(k8s/base/rayservice.yaml).
 
 - The front gate in Serve's proxy (serve_app/proxy_gate.py: its `middlewares` as Serve's proxy
   callback).
@@ -25,3 +30,6 @@ PROXY_GATE_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy_
 GRPC_DATA_PLANE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
 
 CLUSTER_ENV = {**PROXY_GATE_ENV, **GRPC_DATA_PLANE_ENV}
+
+CONTROLLER_OPTIONS = {"runtime_env": {"env_vars": CLUSTER_ENV}}
+"""The `controller_options` every shipped config carries (configs/*.yaml)."""

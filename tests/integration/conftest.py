@@ -26,14 +26,18 @@ import httpx
 import pytest
 import yaml
 
-from serve_app.cluster_env import CLUSTER_ENV
-
 ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-for key, value in CLUSTER_ENV.items():  # the proxy gate, gRPC data plane: read by Serve's processes at their start
-    os.environ.setdefault(key, value)
+
+
+def shipped_controller_options() -> dict:
+    """configs/sim.yaml's `controller_options`: the environment Serve's processes start with (the proxy
+    gate, the gRPC data plane; serve_app/cluster_env.py), given to Serve as `serve run` gives it, so
+    the tests run the path a user's `serve run` takes (tests/test_cluster_env.py holds every shipped
+    config to it)."""
+    return yaml.safe_load((ROOT / "configs" / "sim.yaml").read_text())["controller_options"]
 
 
 def free_port() -> int:
@@ -140,7 +144,8 @@ def serve_cluster() -> Iterator[ServeCluster]:
              _metrics_export_port=cluster.metrics_port,
              runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}})
     try:
-        client = serve_start(http_options={"host": "127.0.0.1", "port": cluster.http_port})
+        client = serve_start(http_options={"host": "127.0.0.1", "port": cluster.http_port},
+                             controller_options=shipped_controller_options())
         client.deploy_apps(ServeDeploySchema.model_validate(combined_config(cluster.http_port)))
         wait_healthy(cluster.base_url, 300)
         wait_healthy(cluster.base_url + "/sim", 120)

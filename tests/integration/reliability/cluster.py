@@ -224,25 +224,22 @@ def serve_cluster(applications: list[dict[str, Any]], *, num_cpus: int = 8,
     does); yields the base URL; shuts everything down on exit."""
     import os
 
-    from serve_app.cluster_env import CLUSTER_ENV
-
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    for key, value in CLUSTER_ENV.items():  # the proxy gate, gRPC data plane: read by Serve's processes at their start
-        os.environ.setdefault(key, value)
     import ray
     from ray import serve
     from ray.serve._private.api import serve_start
     from ray.serve.schema import ServeDeploySchema
 
-    from tests.integration.conftest import free_port, wait_healthy
+    from tests.integration.conftest import free_port, shipped_controller_options, wait_healthy
 
     port = free_port()
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, namespace="tidal-bench",
              runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}})
     try:
-        client = serve_start(http_options={"host": "127.0.0.1", "port": port})
+        client = serve_start(http_options={"host": "127.0.0.1", "port": port},
+                             controller_options=shipped_controller_options())  # as `serve run` starts it
         config = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
                   "applications": applications}
         client.deploy_apps(ServeDeploySchema.model_validate(config))
