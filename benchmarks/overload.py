@@ -34,6 +34,11 @@ count of rejections; the rest at the front gate) and the CPU of each process:
 
     RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled python benchmarks/overload.py \
         --burst 400:2 --burst 2000:10 --client httpx --client openai --out runs/burst
+
+With `--url`, the bursts go to a server started elsewhere, as a user starts it (`serve run
+configs/sim.yaml`): the figures any client sees, without the unit's counts, the CPU or the drain check:
+
+    python benchmarks/overload.py --url http://127.0.0.1:8000 --burst 400:2 --client httpx --out runs/burst-url
 """
 
 from __future__ import annotations
@@ -156,10 +161,13 @@ def rule_table(results: list[dict[str, Any]]) -> str:
 
 
 def run_bursts(args: argparse.Namespace) -> int:
-    """Burst mode: each (burst, client) pair in turn against one app of configs/sim.yaml as shipped."""
+    """Burst mode: each (burst, client) pair in turn against one app of configs/sim.yaml as shipped,
+    or against the server at `--url` (started by the user, e.g. `serve run configs/sim.yaml`)."""
     from tests.integration.reliability.burst import BurstSpec, burst_figures, run_burst
     from tests.integration.reliability.cluster import SIM_MODEL, unit_state
 
+    if args.url:
+        return run_bursts_at(args, args.url.rstrip("/"), SIM_MODEL)
     app = "burst"
     report: dict[str, Any] = {"machine_at_start": machine(), "results": []}
     with serve_cluster([app_from_config("sim", app, f"/{app}")]) as base:
@@ -186,6 +194,33 @@ def run_bursts(args: argparse.Namespace) -> int:
                 args.out.mkdir(parents=True, exist_ok=True)
                 (args.out / f"burst-{n}-{seconds}-{client}.json").write_text(json.dumps(run))
                 print(json.dumps(figures), flush=True)
+    report["machine_at_end"] = machine()
+    (args.out / "bursts.json").write_text(json.dumps(report, indent=1))
+    print(burst_table(report["results"]))
+    return 0
+
+
+def run_bursts_at(args: argparse.Namespace, url: str, model: str) -> int:
+    """Burst mode against a server this script did not start: what any client sees (outcomes, the
+    refusals' latency and where they were decided, from the responses' headers); the unit's own
+    counts, the processes' CPU and the drain check need the cluster, so they are left out. Between
+    bursts the server is left idle `--settle` seconds, then must answer `/health`."""
+    from tests.integration.reliability.burst import BurstSpec, burst_figures, run_burst
+
+    report: dict[str, Any] = {"machine_at_start": machine(), "url": url, "results": []}
+    report["idle_health"] = idle_health_ms(url)
+    for burst in args.burst:
+        n, seconds = burst.split(":")
+        for client in args.client or ["httpx"]:
+            time.sleep(args.settle)
+            httpx.get(f"{url}/health", timeout=30).raise_for_status()
+            run = asyncio.run(run_burst(url, model, BurstSpec(int(n), float(seconds), seed=args.seed), client))
+            figures = burst_figures(run)
+            figures["load_avg_after"] = machine()["load_avg_1_5_15"]
+            report["results"].append(figures)
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"burst-{n}-{seconds}-{client}.json").write_text(json.dumps(run))
+            print(json.dumps(figures), flush=True)
     report["machine_at_end"] = machine()
     (args.out / "bursts.json").write_text(json.dumps(report, indent=1))
     print(burst_table(report["results"]))
@@ -245,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client", action="append", choices=("httpx", "openai"), help="burst mode's client(s)")
     p.add_argument("--settle", type=float, default=20.0, help="burst mode: idle seconds before each burst")
     p.add_argument("--rescore", type=Path, metavar="DIR", help="burst mode: the table again from DIR's raw runs")
+    p.add_argument("--url", help="burst mode: a running server's base URL (serving configs/sim.yaml's model) "
+                                 "instead of a cluster of this script's own")
     args = p.parse_args(argv)
     if args.rescore:
         return rescore(args.rescore)
