@@ -47,7 +47,10 @@ where it errs low the request is refused one or two hops later, in a burst the s
 each response to a request let through tells the gate whether its unit admitted it or a gate or
 unit behind refused it for its predicted TTFT (`REFUSAL_REASON`: `prefill_backlog`), and the gate
 acts on the share of the unit's limit that keeps about 3% of what it lets through from being
-refused there (`judged_behind`; tidal_core/door_aim.py `DoorAim`).
+refused there (`judged_behind`; tidal_core/door_aim.py `DoorAim`). The aim goes to `on_aim` (a
+gauge) when it changes and again every `AIM_REPORT_S` from the poll loop: Ray's metrics agent drops
+a gauge series that is not set again within two export intervals (20 s), and an aim that holds
+still for minutes (a quiet door) would vanish from Prometheus while its gate runs.
 
 A prompt is estimated from the body's size (`Content-Length`) at the bytes per token the verdicts
 taught (`PromptSizeModel`; the Ingress's gate passes their token counts on as `PROMPT_TOKENS`).
@@ -81,6 +84,7 @@ IDLE_POLL_PERIOD_S = 1.0  # between polls while no request comes through the gat
 POLL_TIMEOUT_S = 1.0
 _FORGET_AFTER_S = 60.0  # a unit not heard from for this long (a replaced replica) is dropped
 PENDING_FOR_S = 5.0  # a request let through counts as pending at most this long
+AIM_REPORT_S = 5.0  # the aim is set on its gauge at least this often (Ray drops a gauge unset for 20 s)
 MAX_UNDELIVERED = 4096  # refusals kept for the next poll while none gets through (a unit being rebuilt)
 
 
@@ -151,6 +155,7 @@ class FrontGate:
         self.sizes = PromptSizeModel()  # a prompt's tokens from its body's bytes (learned from the same)
         self.aim = DoorAim()  # the share of a unit's limit to act on (learned from the refusals made behind)
         self._on_aim = on_aim  # each new aim, e.g. to a gauge (`serve_app.metrics.aim_gauge`)
+        self._aim_reported_s = -math.inf  # when `on_aim` was last called (`_report_aim`)
         self._num_sent = 0
         self._num_skipped = 0  # answered without reaching a unit (the ingress refused them, a 400...)
         self._arrived: dict[str, tuple[int, int]] = {}  # unit -> (num_arrived when first seen, latest)
@@ -202,6 +207,8 @@ class FrontGate:
                     raise
                 except Exception:  # no unit yet, a unit being rebuilt, a timeout: keep the last view
                     logger.debug("front gate: polling a unit's load failed", exc_info=True)
+            if self.clock() - self._aim_reported_s >= AIM_REPORT_S:
+                self._report_aim()
             if not self._quiet() and self._watch_closely():
                 await asyncio.sleep(self.period_s)
                 continue
@@ -287,8 +294,13 @@ class FrontGate:
         if status == 200 or (status == 429 and reason == "prefill_backlog"):
             before = self.aim.value
             self.aim.observe(refused_behind=status == 429)
-            if self._on_aim is not None and self.aim.value != before:
-                self._on_aim(self.aim.value)
+            if self.aim.value != before:
+                self._report_aim()
+
+    def _report_aim(self) -> None:
+        if self._on_aim is not None:
+            self._on_aim(self.aim.value)
+        self._aim_reported_s = self.clock()
 
     def _learn(self, unit_waited_s: float | None, prompt_tokens: int | None) -> None:
         """What the current request's verdict tells of the way to the units and of its prompt (once each)."""

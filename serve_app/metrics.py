@@ -183,7 +183,8 @@ def refusal_counter(where: str) -> Callable[[str], None]:
 
 def aim_gauge(where: str, application: str) -> Callable[[float], None]:
     """A gate's `on_aim`: sets `tidal_front_aim{where, application}` (tidal_core/door_aim.py), from 1.
-    Call inside a Ray worker."""
+    The gate calls it on each change and every `AIM_REPORT_S` (Ray drops a gauge series not set again
+    within two export intervals). Call inside a Ray worker."""
     d = M.FRONT_AIM
     gauge = ray_metrics.Gauge(d.name, description=d.description, tag_keys=d.tag_keys)
     gauge.set_default_tags({M.WHERE_TAG: where, M.APP_TAG: application})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import random
 from typing import Any
 
@@ -81,3 +82,28 @@ async def test_the_proxy_gate_learns_its_aim_from_the_refusals_made_behind_it() 
     assert (gate.aim.num_refused, gate.aim.num_admitted) == (2, 1)
     assert reported == [seen[0], seen[1], seen[3]]  # the costly_prompt refusal changed nothing
     assert own.status_code == 429 and own.headers[REFUSAL_REASON] == "prefill_backlog" == own.json()["error"]["code"]
+
+
+async def test_an_aim_that_holds_still_is_set_again_while_the_gate_runs() -> None:
+    """Ray drops a gauge series that is not set again within two export intervals, so the poll loop
+    sets the aim every `AIM_REPORT_S` even when no response changed it (a quiet door keeps its gauge)."""
+    from serve_app.front_gate import AIM_REPORT_S
+
+    now = [0.0]
+    reported: list[tuple[float, float]] = []  # (clock, aim) at each set
+
+    async def poll(refused_at_door: Any) -> Any:
+        return IDLE
+
+    gate = FrontGate(AdmissionConfig(target_ttft_s=1.0), poll, period_s=0.001, idle_period_s=0.001,
+                     clock=lambda: now[0], on_aim=lambda v: reported.append((now[0], v)))
+    gate.start()
+    for step in range(1, 41):  # 40 s of the gate's clock in 1 s steps, nothing changing the aim
+        now[0] = float(step)
+        await asyncio.sleep(0.005)
+    await gate.stop()
+    times = [t for t, _ in reported]
+    assert all(v == 1.0 for _, v in reported)
+    assert times[0] <= 1.0 and times[-1] >= 40.0 - AIM_REPORT_S
+    assert max(b - a for a, b in itertools.pairwise(times)) <= AIM_REPORT_S + 1.0  # never unset for 20 s
+    assert len(times) <= 40 / AIM_REPORT_S + 2  # not once per poll
