@@ -48,6 +48,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +164,7 @@ def rule_table(results: list[dict[str, Any]]) -> str:
 def run_bursts(args: argparse.Namespace) -> int:
     """Burst mode: each (burst, client) pair in turn against one app of configs/sim.yaml as shipped,
     or against the server at `--url` (started by the user, e.g. `serve run configs/sim.yaml`)."""
-    from tests.integration.reliability.burst import BurstSpec, burst_figures, run_burst
+    from tests.integration.reliability.burst import burst_figures, run_burst
     from tests.integration.reliability.cluster import SIM_MODEL, unit_state
 
     if args.url:
@@ -173,31 +174,23 @@ def run_bursts(args: argparse.Namespace) -> int:
     with serve_cluster([app_from_config("sim", app, f"/{app}")]) as base:
         url = f"{base}/{app}"
         report["idle_health"] = idle_health_ms(url)
-        for burst in args.burst:
-            n, seconds = burst.split(":")
-            for client in args.client or ["httpx"]:
-                spec = BurstSpec(int(n), float(seconds), seed=args.seed)
-                time.sleep(args.settle)
-                before = unit_state(app)
-                meter = CpuMeter({"proxy": [a["pid"] for a in alive_actors("ProxyActor")],
-                                  "ingress": replica_pids(app, "Ingress"), "unit": replica_pids(app, "ServingUnit")})
-                meter.start()
-                run = asyncio.run(run_burst(url, SIM_MODEL, spec, client))
-                cpu = meter.stop()
-                state, _ = wait_drained(app, timeout_s=600.0)
-                figures = burst_figures(run)
-                figures["unit_rejections"] = sum(state["rejected"].values()) - sum(before["rejected"].values())
-                figures["regime_before"] = before["regime_name"]
-                figures.update(cpu=cpu, load_avg_after=machine()["load_avg_1_5_15"], drained=state["num_requests"] == 0
-                               and state["num_free_blocks"] == state["num_blocks"])
-                report["results"].append(figures)
-                args.out.mkdir(parents=True, exist_ok=True)
-                (args.out / f"burst-{n}-{seconds}-{client}.json").write_text(json.dumps(run))
-                print(json.dumps(figures), flush=True)
-    report["machine_at_end"] = machine()
-    (args.out / "bursts.json").write_text(json.dumps(report, indent=1))
-    print(burst_table(report["results"]))
-    return 0
+
+        def once(spec: Any, client: str) -> tuple[dict[str, Any], dict[str, Any]]:
+            before = unit_state(app)
+            meter = CpuMeter({"proxy": [a["pid"] for a in alive_actors("ProxyActor")],
+                              "ingress": replica_pids(app, "Ingress"), "unit": replica_pids(app, "ServingUnit")})
+            meter.start()
+            run = asyncio.run(run_burst(url, SIM_MODEL, spec, client))
+            cpu = meter.stop()
+            state, _ = wait_drained(app, timeout_s=600.0)
+            figures = burst_figures(run)
+            figures["unit_rejections"] = sum(state["rejected"].values()) - sum(before["rejected"].values())
+            figures["regime_before"] = before["regime_name"]
+            figures.update(cpu=cpu, load_avg_after=machine()["load_avg_1_5_15"], drained=state["num_requests"] == 0
+                           and state["num_free_blocks"] == state["num_blocks"])
+            return run, figures
+
+        return each_burst(args, report, once)
 
 
 def run_bursts_at(args: argparse.Namespace, url: str, model: str) -> int:
@@ -205,18 +198,33 @@ def run_bursts_at(args: argparse.Namespace, url: str, model: str) -> int:
     refusals' latency and where they were decided, from the responses' headers); the unit's own
     counts, the processes' CPU and the drain check need the cluster, so they are left out. Between
     bursts the server is left idle `--settle` seconds, then must answer `/health`."""
-    from tests.integration.reliability.burst import BurstSpec, burst_figures, run_burst
+    from tests.integration.reliability.burst import burst_figures, run_burst
 
     report: dict[str, Any] = {"machine_at_start": machine(), "url": url, "results": []}
     report["idle_health"] = idle_health_ms(url)
+
+    def once(spec: Any, client: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        httpx.get(f"{url}/health", timeout=30).raise_for_status()
+        run = asyncio.run(run_burst(url, model, spec, client))
+        figures = burst_figures(run)
+        figures["load_avg_after"] = machine()["load_avg_1_5_15"]
+        return run, figures
+
+    return each_burst(args, report, once)
+
+
+def each_burst(args: argparse.Namespace, report: dict[str, Any],
+               once: Callable[[Any, str], tuple[dict[str, Any], dict[str, Any]]]) -> int:
+    """Each (`--burst`, `--client`) pair in turn, `--settle` idle seconds before each: `once(spec,
+    client)` runs it and returns (the raw run, its figures); each raw run and the report are saved
+    under `--out`, the figures printed as they come and the table at the end."""
+    from tests.integration.reliability.burst import BurstSpec
+
     for burst in args.burst:
         n, seconds = burst.split(":")
         for client in args.client or ["httpx"]:
             time.sleep(args.settle)
-            httpx.get(f"{url}/health", timeout=30).raise_for_status()
-            run = asyncio.run(run_burst(url, model, BurstSpec(int(n), float(seconds), seed=args.seed), client))
-            figures = burst_figures(run)
-            figures["load_avg_after"] = machine()["load_avg_1_5_15"]
+            run, figures = once(BurstSpec(int(n), float(seconds), seed=args.seed), client)
             report["results"].append(figures)
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / f"burst-{n}-{seconds}-{client}.json").write_text(json.dumps(run))
